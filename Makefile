@@ -1,0 +1,34 @@
+# app: `make help` lists the targets.
+PYTHON ?= python3
+# On a machine without torch this installs the CPU build that lies on disk here (pip finds it);
+# elsewhere pip takes it from PyPI. A torch already installed (a CUDA build, say) is kept.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := .installed
+
+.PHONY: help install run test lint clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -e ".[dev]"
+	@touch $(STAMP)
+
+install:  ## install torch (if missing), app (editable) and the dev tools into $(PYTHON)
+	@rm -f $(STAMP)
+	@$(MAKE) --no-print-directory $(STAMP)
+
+run: $(STAMP)  ## train the default job (CNN on digits) into outputs/
+	$(PYTHON) -m app
+
+test: $(STAMP)  ## run the test suite
+	$(PYTHON) -m pytest
+
+lint: $(STAMP)  ## ruff
+	$(PYTHON) -m ruff check src tests
+
+clean:  ## remove caches and run outputs (outputs/ keeps its placeholder)
+	rm -rf .pytest_cache .ruff_cache build dist src/*.egg-info $(STAMP)
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+	find outputs -mindepth 1 ! -name .gitkeep -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""app: a Hydra-composed experiment launcher and DDP trainer for PyTorch."""

@@ -1,0 +1,109 @@
+"""Checkpoint files: one plain dict of state dicts per file, written atomically.
+
+Periodic checkpoints are `step-NNNNNNNN.pt`; `last.pt` and `best.pt` are hard links to one of
+them (a copy where the file system has no hard links), so a checkpoint is written once
+whatever names it gets. Every name is put in place with `os.replace`, so a crash at any
+moment leaves the previous file under each name intact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.config import UserError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(state: dict[str, Any], path: Path) -> None:
+    """Write `state` to `path` atomically: temporary file, flush, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def link(source: Path, name: Path) -> None:
+    """Give the file `source` a second name, replacing whatever had that name, atomically."""
+    tmp = name.with_name(f".{name.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:  # no hard links here (some network file systems): copy instead
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, name)
+    _fsync_dir(name.parent)
+
+
+def periodic_name(step: int) -> str:
+    return f"step-{step:08d}.pt"
+
+
+def prune(directory: Path, keep: int) -> None:
+    """Delete all but the newest `keep` periodic checkpoints (last.pt and best.pt stay)."""
+    periodic = sorted(directory.glob("step-*.pt"))
+    for old in periodic[: max(0, len(periodic) - keep)]:
+        old.unlink()
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint with `weights_only=True`; a user-facing error if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path}: file not found")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {path}: not a readable checkpoint ({first_line})") from e
+    if not isinstance(state, dict) or "model" not in state:
+        raise UserError(f"checkpoint {path}: not an app checkpoint (no 'model' entry)")
+    return state
+
+
+def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str | Path) -> None:
+    """Load the model weights of a checkpoint, naming every mismatch if they do not fit."""
+    ours = model.state_dict()
+    theirs = state["model"]
+    missing = sorted(set(ours) - set(theirs))
+    unexpected = sorted(set(theirs) - set(ours))
+    wrong_shape = [
+        f"{k} {tuple(theirs[k].shape)} vs {tuple(ours[k].shape)}"
+        for k in sorted(set(ours) & set(theirs))
+        if theirs[k].shape != ours[k].shape
+    ]
+    if missing or unexpected or wrong_shape:
+        trained = state.get("config", {}).get("model", {})
+        parts = [
+            f"{label}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
+            for label, items in (
+                ("missing", missing), ("unexpected", unexpected), ("shape", wrong_shape))
+            if items
+        ]
+        raise UserError(
+            f"checkpoint {path} does not match the model ({'; '.join(parts)}). "
+            f"It was trained with model={trained}; use the same model settings"
+        )
+    model.load_state_dict(theirs)

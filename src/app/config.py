@@ -1,0 +1,134 @@
+"""Typed schemas of the knob groups and the checks Hydra's types cannot express.
+
+The schemas are registered in Hydra's ConfigStore and sit first in `conf/config.yaml`'s
+defaults list, so a misspelt key or a wrong type fails at compose time. Object groups
+(model, data, optimizer, scheduler) stay untyped `_target_` nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+
+class AppError(Exception):
+    """An expected failure, reported as one line without a traceback."""
+
+    exit_code = 1
+
+
+class UserError(AppError, ValueError):
+    """A mistake in what the user asked for: a bad value, a missing file."""
+
+    exit_code = 2
+
+
+class Mode(str, Enum):
+    trainval = "trainval"
+    eval = "eval"
+    predict = "predict"
+    export = "export"
+
+
+class MonitorMode(str, Enum):
+    max = "max"
+    min = "min"
+
+
+@dataclass
+class TrainerConfig:
+    mode: Mode = Mode.trainval
+    max_epochs: int | None = 20
+    max_steps: int | None = None
+    val_every_n_epochs: int | None = 1
+    val_every_n_steps: int | None = None
+    log_every_n_steps: int = 10
+    ckpt_every_n_epochs: int | None = 1
+    ckpt_every_n_steps: int | None = None
+    keep_last: int = 3
+    monitor: str = "val/acc"
+    monitor_mode: MonitorMode = MonitorMode.max
+    progress_bar: bool | None = None
+    input: str | None = None
+    num_show: int = 32
+    export_tolerance: float = 1e-5
+
+
+@dataclass
+class DistributedConfig:
+    backend: str = "auto"
+    timeout_s: float = 1800.0
+    start_method: str = "spawn"
+
+
+@dataclass
+class LoggerConfig:
+    tensorboard: bool = False
+
+
+@dataclass
+class AppConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    model: Any = None
+    data: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    accelerator: str = "auto"
+    devices: int = 1
+    nodes: int = 1
+    seed: int = 0
+    ckpt: str | None = None
+    resume: str | None = "auto"
+
+
+def register_schemas() -> None:
+    ConfigStore.instance().store(name="app_schema", node=AppConfig)
+
+
+def _positive(name: str, value: int | float | None, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise UserError(f"{name}={value}: must be a positive number")
+
+
+def validate(cfg: AppConfig) -> None:
+    """Checks across keys and values that types alone cannot catch; raises UserError."""
+    t = cfg.trainer
+    if t.mode == Mode.trainval and t.max_epochs is None and t.max_steps is None:
+        raise UserError(
+            "trainer.max_epochs and trainer.max_steps are both null: set one of them "
+            "(for example trainer.max_epochs=10)"
+        )
+    for key in (
+        "max_epochs", "max_steps", "val_every_n_epochs", "val_every_n_steps",
+        "ckpt_every_n_epochs", "ckpt_every_n_steps",
+    ):
+        _positive(f"trainer.{key}", getattr(t, key))
+    _positive("trainer.log_every_n_steps", t.log_every_n_steps, allow_none=False)
+    _positive("trainer.num_show", t.num_show, allow_none=False)
+    _positive("trainer.export_tolerance", t.export_tolerance, allow_none=False)
+    if t.keep_last < 0:
+        raise UserError(f"trainer.keep_last={t.keep_last}: must be 0 or more")
+    if t.mode != Mode.trainval and cfg.ckpt is None:
+        raise UserError(f"trainer={t.mode.value} needs a checkpoint: add ckpt=PATH/TO/best.pt")
+    _positive("devices", cfg.devices, allow_none=False)
+    _positive("nodes", cfg.nodes, allow_none=False)
+    _positive("distributed.timeout_s", cfg.distributed.timeout_s, allow_none=False)
+    if cfg.seed < 0:
+        raise UserError(f"seed={cfg.seed}: must be 0 or more")
+    for group in ("model", "data", "optimizer"):
+        node = getattr(cfg, group)
+        if not isinstance(node, dict) or "_target_" not in node:
+            raise UserError(f"{group}: needs a `_target_` node; pick one with {group}=NAME")
+    for key in ("lr", "weight_decay", "momentum"):
+        value = cfg.optimizer.get(key)
+        if isinstance(value, int | float) and value < 0:
+            raise UserError(f"optimizer.{key}={value}: must not be negative")
+    if cfg.optimizer.get("lr") == 0:
+        raise UserError("optimizer.lr=0: the model would never change; give a positive rate")

@@ -1,0 +1,56 @@
+"""Validation metrics, and the `trainer=eval` mode."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from app import checkpoint, dist
+from app.build import build_data, build_model, build_val_loader
+from app.config import AppConfig
+from app.loggers import CSVLogger
+from app.runtime import select_device
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict[str, float]:
+    """Mean loss and accuracy over the whole split, each sample counted once over all ranks."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        logits = model(x)
+        totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
+        totals[1] += (logits.argmax(1) == y).sum()
+        totals[2] += y.numel()
+    model.train(was_training)
+    loss_sum, correct, count = dist.all_reduce_sum(totals).tolist()
+    return {"loss": loss_sum / count, "acc": correct / count}
+
+
+def run_eval(cfg: AppConfig, run_dir: Path) -> float:
+    device = select_device(cfg.accelerator)
+    data = build_data(cfg)
+    model = build_model(cfg, data)
+    state = checkpoint.load(cfg.ckpt)
+    checkpoint.load_model_weights(model, state, cfg.ckpt)
+    metrics = evaluate(model.to(device), build_val_loader(data), device)
+    step = int(state.get("loop", {}).get("step", 0))
+    if dist.is_main():
+        CSVLogger(run_dir / "metrics.csv").log(step, int(state["loop"]["epoch"]), "val", metrics)
+        record = {"ckpt": str(cfg.ckpt), "step": step, "num_samples": len(data.val), **metrics}
+        (run_dir / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
+    log.info(
+        "eval of %s (step %d) on %d validation samples: loss %.4f, acc %.4f",
+        cfg.ckpt, step, len(data.val), metrics["loss"], metrics["acc"],
+    )
+    return metrics[cfg.trainer.monitor.split("/", 1)[-1]]

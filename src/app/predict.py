@@ -1,0 +1,136 @@
+"""`trainer=predict` (the older systems' demo): labels for validation samples or your own files.
+
+Inputs: the validation split (default), a `.npy` array of shape (N, H, W) or (N, C, H, W) with
+values scaled like the data set (0 to 1 for digits), or a folder of images, which are turned
+grey (or RGB for 3-channel models), resized to the model's input and scaled to 0 to 1.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from app import checkpoint
+from app.build import build_data, build_model
+from app.config import AppConfig, UserError
+from app.data import DataModule
+from app.runtime import select_device
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff"}
+
+
+def _from_npy(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
+    try:
+        array = np.load(path, allow_pickle=False)
+    except ValueError as e:
+        raise UserError(f"trainer.input={path}: not a numeric .npy array ({e})") from e
+    if array.ndim == len(shape) and len(shape) == 3 and shape[0] == 1:
+        array = array[:, None]  # (N, H, W) for one-channel images
+    if tuple(array.shape[1:]) != shape:
+        raise UserError(
+            f"trainer.input={path}: arrays of shape {list(array.shape)}, the model takes "
+            f"(N, {', '.join(map(str, shape))})"
+        )
+    return torch.from_numpy(array.astype(np.float32))
+
+
+def _from_folder(path: Path, shape: tuple[int, ...]) -> tuple[torch.Tensor, list[str]]:
+    from PIL import Image  # pillow comes with matplotlib; imported only for this mode
+
+    if len(shape) != 3 or shape[0] not in (1, 3):
+        raise UserError(f"trainer.input={path}: image folders need a 1- or 3-channel image model")
+    files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise UserError(f"trainer.input={path}: no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    channels, height, width = shape
+    arrays = []
+    for file in files:
+        with Image.open(file) as image:
+            image = image.convert("L" if channels == 1 else "RGB").resize((width, height))
+            array = np.asarray(image, dtype=np.float32) / 255.0
+        arrays.append(array[None] if channels == 1 else array.transpose(2, 0, 1))
+    return torch.from_numpy(np.stack(arrays)), [str(f) for f in files]
+
+
+def load_inputs(
+    source: str | None, data: DataModule
+) -> tuple[torch.Tensor, torch.Tensor | None, list[str]]:
+    """(inputs, labels or None, a name for each input)."""
+    if source is None:
+        x, y = data.val.tensors
+        return x, y, [f"val[{i}]" for i in range(len(y))]
+    path = Path(source)
+    if path.is_dir():
+        x, names = _from_folder(path, data.input_shape)
+        return x, None, names
+    if path.is_file() and path.suffix == ".npy":
+        x = _from_npy(path, data.input_shape)
+        return x, None, [f"{path.name}[{i}]" for i in range(len(x))]
+    raise UserError(f"trainer.input={source}: expected a folder of images or a .npy file")
+
+
+def save_grid(
+    images: torch.Tensor, preds: list[int], labels: list[int] | None, title: str, path: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display is needed or wanted
+    import matplotlib.pyplot as plt
+
+    n = len(images)
+    cols = min(8, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.9 * rows + 0.6), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        ax.axis("off")
+        if i >= n:
+            continue
+        image = images[i]
+        shown = image[0] if image.shape[0] == 1 else image.permute(1, 2, 0).clamp(0, 1)
+        ax.imshow(shown.numpy(), cmap="gray_r" if image.shape[0] == 1 else None)
+        if labels is None:
+            ax.set_title(f"pred {preds[i]}", fontsize=9)
+        else:
+            ok = preds[i] == labels[i]
+            ax.set_title(f"pred {preds[i]} / true {labels[i]}", fontsize=8,
+                         color="green" if ok else "red")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@torch.no_grad()
+def run_predict(cfg: AppConfig, run_dir: Path) -> float | None:
+    device = select_device(cfg.accelerator)
+    data = build_data(cfg)
+    model = build_model(cfg, data)
+    checkpoint.load_model_weights(model, checkpoint.load(cfg.ckpt), cfg.ckpt)
+    model.to(device).eval()
+    x, y, names = load_inputs(cfg.trainer.input, data)
+    probs = torch.cat([
+        model(batch.to(device)).softmax(1).cpu() for batch in x.split(data.val_batch_size)])
+    confidence, preds = probs.max(1)
+    with open(run_dir / "predictions.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["index", "input", "pred", "confidence", "label"])
+        for i, name in enumerate(names):
+            label = "" if y is None else int(y[i])
+            writer.writerow([i, name, int(preds[i]), f"{confidence[i]:.6f}", label])
+    shown = min(cfg.trainer.num_show, len(x))
+    labels = None if y is None else y[:shown].tolist()
+    accuracy = None if y is None else (preds == y).double().mean().item()
+    title = f"{Path(str(cfg.ckpt)).name}: {len(x)} inputs" + (
+        "" if accuracy is None else f", accuracy {accuracy:.2%} (green right, red wrong)")
+    save_grid(x[:shown], preds[:shown].tolist(), labels, title, run_dir / "predictions.png")
+    log.info("predicted %d inputs -> %s, %s%s", len(x), run_dir / "predictions.csv",
+             run_dir / "predictions.png",
+             "" if accuracy is None else f"; accuracy {accuracy:.4f}")
+    return accuracy

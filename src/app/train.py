@@ -1,0 +1,223 @@
+"""The training loop (`trainer=trainval`): one function, read top to bottom."""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from app import checkpoint, dist
+from app.build import (
+    build_data, build_model, build_optimizer, build_scheduler, build_train_loader,
+    build_val_loader,
+)
+from app.config import AppConfig, AppError, MonitorMode, UserError
+from app.evaluate import evaluate
+from app.loggers import MetricLogger
+from app.runtime import rng_state, seed_everything, select_device, set_rng_state
+
+log = logging.getLogger(__name__)
+
+
+class Interrupted(AppError):
+    """The run was asked to stop (SIGINT/SIGTERM); a checkpoint of the last step was saved."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum  # what a shell reports for a process ended by signum
+
+
+def _every(n: int | None, count: int) -> bool:
+    return n is not None and count % n == 0
+
+
+def _improved(value: float, best: float | None, mode: MonitorMode) -> bool:
+    if best is None or math.isnan(best):
+        return not math.isnan(value)
+    return value > best if mode == MonitorMode.max else value < best
+
+
+def _resume_path(cfg: AppConfig, run_dir: Path) -> Path | None:
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        last = run_dir / "checkpoints" / "last.pt"
+        return last if last.is_file() else None
+    return Path(cfg.resume)
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM only set a flag; the loop stops at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def train(cfg: AppConfig, run_dir: Path) -> float | None:
+    """Train with periodic validation and checkpoints; returns the best monitored value."""
+    t = cfg.trainer
+    split, _, metric = t.monitor.partition("/")
+    if split != "val" or metric not in ("loss", "acc"):
+        raise UserError(f"trainer.monitor={t.monitor}: expected val/acc or val/loss")
+    device = select_device(cfg.accelerator)
+    seed_everything(cfg.seed)
+    data = build_data(cfg)
+    model = build_model(cfg, data).to(device)
+    optimizer = build_optimizer(cfg, model)
+    train_loader, sampler = build_train_loader(data, cfg.seed)
+    val_loader = build_val_loader(data)
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise UserError(
+            f"data.batch_size={data.batch_size} is larger than the {len(sampler)} training "
+            f"samples of a process: lower it"
+        )
+    total_steps = min(
+        t.max_steps or math.inf, (t.max_epochs or math.inf) * steps_per_epoch)
+    scheduler = build_scheduler(cfg, optimizer, total_steps=int(total_steps))
+
+    # Resume (everything, exactly) or load weights only (a new schedule), or start fresh.
+    step = epoch = batch_in_epoch = 0
+    best: float | None = None
+    resume_from = _resume_path(cfg, run_dir)
+    if resume_from is not None:
+        state = checkpoint.load(resume_from)
+        checkpoint.load_model_weights(model, state, resume_from)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, epoch, batch_in_epoch = (state["loop"][k] for k in ("step", "epoch", "batch"))
+        best = state["best"]
+        set_rng_state(state["rng"])
+        log.info("resumed from %s at step %d (epoch %d)", resume_from, step, epoch)
+    elif cfg.ckpt is not None:
+        checkpoint.load_model_weights(model, checkpoint.load(cfg.ckpt), cfg.ckpt)
+        log.info("loaded weights from %s; training starts a new schedule", cfg.ckpt)
+
+    ckpt_dir = run_dir / "checkpoints"
+    logger = MetricLogger(run_dir, cfg.logger.tensorboard, step if resume_from else None) \
+        if dist.is_main() else None
+    if logger is not None:
+        logger.log_text("config", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    config_record = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    show_bar = t.progress_bar if t.progress_bar is not None else sys.stderr.isatty()
+    bar = None
+    if show_bar and dist.is_main():
+        from tqdm import tqdm
+
+        bar = tqdm(total=int(total_steps), initial=step, unit="step", dynamic_ncols=True)
+
+    def finished() -> bool:
+        return (t.max_steps is not None and step >= t.max_steps) or (
+            t.max_epochs is not None and epoch >= t.max_epochs)
+
+    def save(val_metrics: dict[str, float] | None, is_best: bool) -> None:
+        if not dist.is_main():
+            return
+        state = {
+            "format": checkpoint.FORMAT_VERSION,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "loop": {"step": step, "epoch": epoch, "batch": batch_in_epoch},
+            "best": best,
+            "metrics": val_metrics or {},
+            "rng": rng_state(),
+            "config": config_record,
+        }
+        path = ckpt_dir / checkpoint.periodic_name(step)
+        checkpoint.save(state, path)
+        checkpoint.link(path, ckpt_dir / "last.pt")
+        if is_best:
+            checkpoint.link(path, ckpt_dir / "best.pt")
+        checkpoint.prune(ckpt_dir, t.keep_last)
+
+    log.info(
+        "training %s on %s: %d steps/epoch, %d steps, %d train / %d val samples",
+        cfg.model["_target_"], device, steps_per_epoch, total_steps, len(data.train),
+        len(data.val),
+    )
+    model.train()
+    with _StopFlag() as stop:
+        while not finished():
+            # Each epoch's order comes from (seed, epoch) alone, so a resumed run sees the same
+            # batches; skipping on the sampler never loads the batches already trained on.
+            sampler.set_epoch(epoch, skip=batch_in_epoch * data.batch_size)
+            train_loader.generator.manual_seed(cfg.seed * 100_003 + epoch)
+            for x, y in train_loader:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                loss = F.cross_entropy(model(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                batch_in_epoch += 1
+                epoch_end = batch_in_epoch == steps_per_epoch
+                if epoch_end:
+                    epoch, batch_in_epoch = epoch + 1, 0
+                done = finished()
+
+                if bar is not None:
+                    bar.update()
+                if _every(t.log_every_n_steps, step) or done:
+                    # .item() waits for the device: only on logging steps.
+                    loss_value = dist.all_reduce_mean(loss.detach()).item()
+                    lr = scheduler.get_last_lr()[0]
+                    if logger is not None:
+                        logger.log(step, epoch, "train", {"loss": loss_value, "lr": lr})
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+                    else:
+                        log.info("step %d/%d epoch %d: loss %.4f lr %.3e",
+                                 step, total_steps, epoch, loss_value, lr)
+
+                validate = done or _every(t.val_every_n_steps, step) or (
+                    epoch_end and _every(t.val_every_n_epochs, epoch))
+                val_metrics, is_best = None, False
+                if validate:
+                    val_metrics = evaluate(model, val_loader, device)
+                    if logger is not None:
+                        logger.log(step, epoch, "val", val_metrics)
+                    is_best = _improved(val_metrics[metric], best, t.monitor_mode)
+                    if is_best:
+                        best = val_metrics[metric]
+                    log.info("step %d epoch %d: val loss %.4f acc %.4f%s", step, epoch,
+                             val_metrics["loss"], val_metrics["acc"], " (best)" if is_best else "")
+
+                stopping = stop.signal is not None
+                if done or stopping or is_best or _every(t.ckpt_every_n_steps, step) or (
+                        epoch_end and _every(t.ckpt_every_n_epochs, epoch)):
+                    save(val_metrics, is_best)
+                if stopping:
+                    raise Interrupted(
+                        f"stopped by signal {signal.Signals(stop.signal).name} at step {step}; "
+                        f"checkpoint saved: run again with hydra.run.dir={run_dir} to resume",
+                        stop.signal)
+                if done:
+                    break
+    if bar is not None:
+        bar.close()
+    if logger is not None:
+        logger.close()
+    log.info("done: step %d, best %s %s", step, t.monitor, best)
+    return best
