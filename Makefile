@@ -28,7 +28,6 @@ test: $(STAMP)  ## run the test suite
 lint: $(STAMP)  ## ruff
 	$(PYTHON) -m ruff check src tests
 
-clean:  ## remove caches and run outputs (outputs/ keeps its placeholder)
+clean:  ## remove caches and build files (never outputs/: runs are kept)
 	rm -rf .pytest_cache .ruff_cache build dist src/*.egg-info $(STAMP)
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
-	find outputs -mindepth 1 ! -name .gitkeep -exec rm -rf {} +

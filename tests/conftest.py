@@ -1,0 +1,88 @@
+"""Shared helpers: run the real CLI in a subprocess, read what a run left behind."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from app.config import AppConfig, register_schemas
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+
+# A small CNN on digits: whole runs take a second or two on a 2-core CPU.
+TINY = [
+    "model.channels=[8,16]",
+    "trainer.max_epochs=4",
+    "trainer.log_every_n_steps=1",
+    "trainer.progress_bar=false",
+]
+
+
+def make_config(*overrides: str) -> AppConfig:
+    """The typed config `python -m app OVERRIDES` would run, composed in this process."""
+    register_schemas()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+    return OmegaConf.to_object(cfg)
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_app(run_dir: Path, *overrides: str, timeout: float = 300, env: dict | None = None
+            ) -> Result:
+    """`python -m app` with `hydra.run.dir=run_dir`, as a user would type it."""
+    cmd = [sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *overrides]
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+def assert_ok(result: Result) -> Result:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.output[-4000:]}"
+    return result
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def load_state(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = load_state(a)["model"], load_state(b)["model"]
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), f"{key} differs between {a} and {b}"
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny training run, shared by the tests that need a checkpoint."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    assert_ok(run_app(run_dir, *TINY))
+    return run_dir

@@ -1,0 +1,106 @@
+"""Compose the real conf/ tree: every option of every group, and the errors of a bad config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CONF_DIR, make_config
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from app.build import build_data, build_model, build_optimizer, build_scheduler
+from app.config import AppConfig, Mode, UserError, validate
+
+GROUPS = {
+    group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    for group in ("trainer", "model", "data", "optimizer", "scheduler", "distributed",
+                  "logger", "debug")
+}
+
+
+def test_every_group_has_options() -> None:
+    assert GROUPS["trainer"] == ["eval", "export", "predict", "trainval"]
+    assert {"cnn", "mlp"} <= set(GROUPS["model"])
+    assert {"digits", "synthetic"} <= set(GROUPS["data"])
+    assert {"sgd", "adamw"} <= set(GROUPS["optimizer"])
+    assert {"constant", "step", "cosine"} <= set(GROUPS["scheduler"])
+    assert {"csv", "tensorboard"} <= set(GROUPS["logger"])
+
+
+@pytest.mark.parametrize(
+    "group,option", [(g, o) for g, options in GROUPS.items() for o in options])
+def test_every_option_composes_and_builds(group: str, option: str) -> None:
+    cfg = make_config(f"{group}={option}", "ckpt=some.pt")
+    validate(cfg)
+    assert isinstance(cfg, AppConfig)
+    data = build_data(cfg)
+    model = build_model(cfg, data)
+    x, y = data.train[:4]
+    assert model(x).shape == (4, data.num_classes)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer, total_steps=100)
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.get_last_lr()[0] > 0
+
+
+def test_trainer_modes() -> None:
+    assert make_config().trainer.mode == Mode.trainval
+    for mode in ("eval", "predict", "export"):
+        cfg = make_config(f"trainer={mode}", "ckpt=x.pt")
+        assert cfg.trainer.mode == Mode(mode)
+
+
+def test_digits_split_is_fixed_and_disjoint() -> None:
+    a, b = build_data(make_config()), build_data(make_config("seed=7"))
+    assert len(a.train) + len(a.val) == 1797
+    assert torch.equal(a.val.tensors[0], b.val.tensors[0])  # the run seed leaves it alone
+    train_rows = {tuple(r.flatten().tolist()) for r in a.train.tensors[0]}
+    overlap = sum(tuple(r.flatten().tolist()) in train_rows for r in a.val.tensors[0])
+    assert overlap < 5  # the data set has a few duplicate images, no shared rows otherwise
+    c = build_data(make_config("data.split_seed=1"))
+    assert not torch.equal(a.val.tensors[1], c.val.tensors[1])
+
+
+def test_misspelt_key_fails_at_compose() -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        make_config("trainer.max_epoch=3")
+    assert "max_epoch" in str(err.value.__cause__ or err.value)
+
+
+def test_wrong_type_fails_at_compose() -> None:
+    with pytest.raises((ConfigCompositionException, ValidationError)):
+        make_config("trainer.max_epochs=many")
+
+
+def test_wrong_enum_fails_at_compose() -> None:
+    with pytest.raises((ConfigCompositionException, ValidationError, ConfigKeyError)):
+        make_config("trainer.monitor_mode=up")
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["trainer.max_epochs=null"], "max_steps"),
+    (["trainer.max_steps=-5"], "trainer.max_steps=-5"),
+    (["optimizer.lr=-0.1"], "optimizer.lr=-0.1"),
+    (["optimizer.lr=0"], "optimizer.lr=0"),
+    (["devices=0"], "devices=0"),
+    (["trainer=eval"], "ckpt=PATH"),
+    (["trainer.keep_last=-1"], "keep_last"),
+])
+def test_validate_names_the_key(overrides: list[str], words: str) -> None:
+    with pytest.raises(UserError) as err:
+        validate(make_config(*overrides))
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["data.val_fraction=1.5"], "data.val_fraction=1.5"),
+    (["data.batch_size=0"], "data.batch_size=0"),
+    (["model.dropout=1.5"], "model.dropout=1.5"),
+    (["model.channels=[8,8,8,8]"], "model.channels"),
+])
+def test_bad_object_settings_name_the_key(overrides: list[str], words: str) -> None:
+    cfg = make_config(*overrides)
+    with pytest.raises(UserError) as err:
+        build_model(cfg, build_data(cfg))
+    assert words in str(err.value)

@@ -1,0 +1,149 @@
+"""The real CLI, one mode at a time: trainval, eval, predict, export, and the help screens."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO, TINY, assert_ok, load_state, make_config, read_metrics, run_app
+
+
+def test_trainval_writes_the_run_files(trained) -> None:
+    assert (trained / ".hydra" / "config.yaml").is_file()
+    assert "val loss" in (trained / "train.log").read_text()
+    ckpts = trained / "checkpoints"
+    assert (ckpts / "last.pt").is_file() and (ckpts / "best.pt").is_file()
+    assert len(list(ckpts.glob("step-*.pt"))) <= 3  # keep_last=3
+    rows = read_metrics(trained)
+    assert list(rows[0])[:3] == ["step", "epoch", "split"]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    val_rows = [r for r in rows if r["split"] == "val"]
+    assert [int(r["step"]) for r in train_rows] == list(range(1, 89))  # 22 steps x 4 epochs
+    assert [int(r["epoch"]) for r in val_rows] == [1, 2, 3, 4]
+    last = load_state(ckpts / "last.pt")
+    assert last["loop"] == {"step": 88, "epoch": 4, "batch": 0}
+    assert set(last) >= {"model", "optimizer", "scheduler", "rng", "best", "config"}
+    assert last["config"]["model"]["channels"] == [8, 16]
+    best = load_state(ckpts / "best.pt")
+    assert best["best"] == max(float(r["acc"]) for r in val_rows)
+    assert float(train_rows[-1]["loss"]) < float(train_rows[0]["loss"])
+
+
+def test_eval_reproduces_the_recorded_accuracy(trained, tmp_path) -> None:
+    ckpt = trained / "checkpoints" / "best.pt"
+    result = assert_ok(run_app(tmp_path / "eval", "trainer=eval", f"ckpt={ckpt}",
+                               "model.channels=[8,16]"))
+    record = json.loads((result.run_dir / "eval.json").read_text())
+    recorded = load_state(ckpt)["metrics"]
+    assert record["acc"] == recorded["acc"]
+    assert record["loss"] == pytest.approx(recorded["loss"], rel=1e-9)
+    assert record["num_samples"] == 359
+    assert f"acc {record['acc']:.4f}" in result.output
+
+
+def test_predict_on_validation_split(trained, tmp_path) -> None:
+    ckpt = trained / "checkpoints" / "best.pt"
+    result = assert_ok(run_app(tmp_path / "pred", "trainer=predict", f"ckpt={ckpt}",
+                               "model.channels=[8,16]", "trainer.num_show=16"))
+    with open(result.run_dir / "predictions.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 359
+    accuracy = sum(r["pred"] == r["label"] for r in rows) / len(rows)
+    assert accuracy == load_state(ckpt)["metrics"]["acc"]
+    png = (result.run_dir / "predictions.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def _predict(run_dir, ckpt, *overrides) -> list[dict[str, str]]:
+    result = assert_ok(run_app(run_dir, "trainer=predict", f"ckpt={ckpt}",
+                               "model.channels=[8,16]", *overrides))
+    with open(result.run_dir / "predictions.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_predict_on_npy_and_image_folder(trained, tmp_path) -> None:
+    from PIL import Image
+
+    from app.build import build_data
+
+    val_images = build_data(make_config()).val.tensors[0][:10].numpy()
+    np.save(tmp_path / "inputs.npy", val_images[:, 0])  # (N, H, W)
+    folder = tmp_path / "pngs"
+    folder.mkdir()
+    for i in range(10):
+        Image.fromarray((val_images[i, 0] * 255).round().astype(np.uint8)).save(
+            folder / f"{i:02d}.png")
+    ckpt = trained / "checkpoints" / "best.pt"
+    reference = [r["pred"] for r in _predict(tmp_path / "val", ckpt)[:10]]
+    from_npy = _predict(tmp_path / "npy", ckpt, f"trainer.input={tmp_path / 'inputs.npy'}")
+    assert [r["pred"] for r in from_npy] == reference
+    assert all(r["label"] == "" for r in from_npy)
+    from_pngs = _predict(tmp_path / "png", ckpt, f"trainer.input={folder}")
+    assert [r["input"] for r in from_pngs] == [str(folder / f"{i:02d}.png") for i in range(10)]
+    # 8-bit PNGs round the pixels; a prediction may flip, not more than one.
+    assert sum(r["pred"] != p for r, p in zip(from_pngs, reference, strict=True)) <= 1
+
+
+def test_export_round_trip(trained, tmp_path) -> None:
+    ckpt = trained / "checkpoints" / "best.pt"
+    result = assert_ok(run_app(tmp_path / "export", "trainer=export", f"ckpt={ckpt}",
+                               "model.channels=[8,16]"))
+    out = result.run_dir / "export"
+    check = json.loads((out / "check.json").read_text())
+    assert all(d <= 1e-5 for d in check["max_abs_diff"].values())
+    # The files load and run in a fresh process that knows nothing of app.
+    code = (
+        "import torch, sys; x = torch.rand(5, 1, 8, 8); d = sys.argv[1];"
+        "a = torch.jit.load(d + '/model.ts')(x); b = torch.export.load(d + '/model.pt2')"
+        ".module()(x); assert a.shape == (5, 10) and (a - b).abs().max() < 1e-5; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True)
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_export_fails_when_outputs_differ(trained, tmp_path, monkeypatch) -> None:
+    import torch
+
+    from app.config import AppError
+    from app.export import run_export
+
+    real_load = torch.jit.load
+    monkeypatch.setattr(torch.jit, "load", lambda path: (lambda x: real_load(path)(x) + 1e-3))
+    cfg = make_config("trainer=export", f"ckpt={trained}/checkpoints/best.pt",
+                      "model.channels=[8,16]")
+    with pytest.raises(AppError, match="torchscript"):
+        run_export(cfg, tmp_path)
+
+
+def test_seeded_runs_repeat_and_seeds_differ(tmp_path) -> None:
+    fast = [*TINY, "trainer.max_epochs=1", "trainer.ckpt_every_n_epochs=null"]
+    a = assert_ok(run_app(tmp_path / "a", *fast, "seed=0"))
+    b = assert_ok(run_app(tmp_path / "b", *fast, "seed=0"))
+    c = assert_ok(run_app(tmp_path / "c", *fast, "seed=1"))
+    loss = [[r["loss"] for r in read_metrics(x.run_dir)] for x in (a, b, c)]
+    assert loss[0] == loss[1]
+    assert loss[0] != loss[2]
+
+
+def test_synthetic_data_and_mlp(tmp_path) -> None:
+    result = assert_ok(run_app(
+        tmp_path / "syn", "data=synthetic", "model=mlp", "data.num_samples=512",
+        "data.input_shape=[16]", "data.num_classes=4", "trainer.max_epochs=2",
+        "logger=tensorboard", "trainer.progress_bar=false"))
+    assert len(read_metrics(result.run_dir)) > 0
+    assert list((result.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_help_lists_groups_and_cfg_prints_config() -> None:
+    help_text = subprocess.run([sys.executable, "-m", "app", "--help"], cwd=REPO,
+                               capture_output=True, text=True).stdout
+    for group in ("trainer:", "model:", "data:", "optimizer:", "scheduler:", "distributed:",
+                  "logger:"):
+        assert group in help_text
+    assert "eval, export, predict, trainval" in help_text
+    job = subprocess.run([sys.executable, "-m", "app", "--cfg", "job", "model=mlp"], cwd=REPO,
+                         capture_output=True, text=True).stdout
+    assert "_target_: app.models.MLP" in job and "max_epochs: 20" in job

@@ -1,0 +1,154 @@
+"""Unit tests of the pure parts: checkpoint files, schedules, metric files, RNG state, samplers."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from app import checkpoint, dist
+from app.build import ResumableSampler, ShardSampler
+from app.config import UserError
+from app.loggers import CSVLogger
+from app.runtime import rng_state, set_rng_state
+from app.schedulers import constant, step, warmup_cosine
+
+
+def test_save_is_atomic_and_links_share_one_file(tmp_path) -> None:
+    d = tmp_path / "checkpoints"
+    first = d / checkpoint.periodic_name(1)
+    checkpoint.save({"model": {"w": torch.ones(3)}}, first)
+    checkpoint.link(first, d / "last.pt")
+    assert os.path.samefile(first, d / "last.pt")
+    second = d / checkpoint.periodic_name(2)
+    checkpoint.save({"model": {"w": torch.zeros(3)}}, second)
+    checkpoint.link(second, d / "last.pt")
+    assert torch.equal(checkpoint.load(d / "last.pt")["model"]["w"], torch.zeros(3))
+    assert torch.equal(checkpoint.load(first)["model"]["w"], torch.ones(3))
+    assert not list(d.glob(".*.tmp"))
+
+
+def test_failed_write_keeps_previous_file(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "last.pt"
+    checkpoint.save({"model": {"w": torch.ones(2)}}, path)
+
+    def broken_save(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError):
+        checkpoint.save({"model": {"w": torch.zeros(2)}}, path)
+    assert torch.equal(checkpoint.load(path)["model"]["w"], torch.ones(2))
+
+
+def test_prune_keeps_newest_and_named_links(tmp_path) -> None:
+    for s in range(1, 6):
+        checkpoint.save({"model": {}}, tmp_path / checkpoint.periodic_name(s))
+    checkpoint.link(tmp_path / checkpoint.periodic_name(1), tmp_path / "best.pt")
+    checkpoint.prune(tmp_path, keep=2)
+    names = sorted(p.name for p in tmp_path.glob("*.pt"))
+    assert names == ["best.pt", checkpoint.periodic_name(4), checkpoint.periodic_name(5)]
+    checkpoint.prune(tmp_path, keep=0)
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["best.pt"]
+
+
+def test_load_errors_name_the_file(tmp_path) -> None:
+    with pytest.raises(UserError, match="not found"):
+        checkpoint.load(tmp_path / "nope.pt")
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"\x00" * 100)
+    with pytest.raises(UserError, match="garbage.pt"):
+        checkpoint.load(garbage)
+    other = tmp_path / "other.pt"
+    torch.save({"weights": 1}, other)
+    with pytest.raises(UserError, match="not an app checkpoint"):
+        checkpoint.load(other)
+
+
+def test_mismatched_weights_list_the_differences() -> None:
+    model = torch.nn.Linear(4, 2)
+    state = {"model": {"weight": torch.zeros(3, 4), "extra": torch.zeros(1)},
+             "config": {"model": {"_target_": "x.Y"}}}
+    with pytest.raises(UserError) as err:
+        checkpoint.load_model_weights(model, state, "c.pt")
+    message = str(err.value)
+    assert "missing: bias" in message and "unexpected: extra" in message
+    assert "weight (3, 4) vs (2, 4)" in message and "x.Y" in message
+
+
+def _lrs(scheduler, n):
+    out = []
+    for _ in range(n):
+        out.append(scheduler.get_last_lr()[0])
+        scheduler.optimizer.step()
+        scheduler.step()
+    return out
+
+
+def _opt(lr=1.0):
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+
+
+def test_schedules() -> None:
+    assert _lrs(constant(_opt(), 10), 3) == [1.0, 1.0, 1.0]
+    assert _lrs(step(_opt(), 10, step_size=2, gamma=0.5), 5) == [1.0, 1.0, 0.5, 0.5, 0.25]
+    lrs = _lrs(warmup_cosine(_opt(), total_steps=10, warmup_steps=4), 11)
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False))
+    assert lrs[10] == pytest.approx(0.0)
+
+
+def test_schedule_state_round_trip() -> None:
+    a = warmup_cosine(_opt(), total_steps=20, warmup_steps=3)
+    _lrs(a, 7)
+    b = warmup_cosine(_opt(), total_steps=20, warmup_steps=3)
+    b.load_state_dict(a.state_dict())
+    assert _lrs(a, 5) == _lrs(b, 5)
+
+
+def test_csv_logger_widens_and_truncates_on_resume(tmp_path) -> None:
+    path = tmp_path / "metrics.csv"
+    log = CSVLogger(path)
+    log.log(1, 0, "train", {"loss": 2.0, "lr": 0.1})
+    log.log(2, 0, "val", {"loss": 1.5, "acc": 0.5})
+    log.log(3, 0, "train", {"loss": 1.0, "lr": 0.1})
+    header = path.read_text().splitlines()[0]
+    assert header == "step,epoch,split,loss,lr,acc"
+    resumed = CSVLogger(path, resume_step=2)
+    resumed.log(3, 0, "train", {"loss": 0.9, "lr": 0.1})
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4 and lines[-1].startswith("3,0,train,0.9")
+
+
+def test_rng_state_round_trip() -> None:
+    state = rng_state()
+    a = (random.random(), np.random.rand(), torch.rand(1).item())
+    set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
+
+
+def test_resumable_sampler_skips_without_changing_order() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(20))
+    sampler = ResumableSampler(data, seed=3)
+    sampler.set_epoch(2)
+    full = list(sampler)
+    sampler.set_epoch(2, skip=7)
+    assert list(sampler) == full[7:] and len(sampler) == 13
+    sampler.set_epoch(3)
+    assert list(sampler) != full and sorted(sampler) == list(range(20))
+
+
+def test_shard_sampler_and_helpers_without_process_group() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(7))
+    assert list(ShardSampler(data)) == list(range(7))
+    assert (dist.rank(), dist.world_size(), dist.is_main(), dist.is_main(local=True)) == (
+        0, 1, True, True)
+    dist.barrier()
+    x = torch.tensor([1.0, 2.0])
+    assert torch.equal(dist.all_reduce_mean(x), x)
+    assert dist.broadcast_object({"a": 1}) == {"a": 1}
+    assert dist.all_gather_object(5) == [5]
