@@ -1,0 +1,95 @@
+"""Resume is exact: bit-identical weights and identical logged losses, after any interruption."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import (
+    REPO, TINY, assert_ok, assert_same_weights, load_state, read_metrics, run_app,
+)
+
+# 22 steps per epoch; a checkpoint every 10 steps and at each epoch end, none deleted.
+RESUMABLE = [*TINY, "trainer.ckpt_every_n_steps=10", "trainer.keep_last=100"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> object:
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    return assert_ok(run_app(run_dir, *RESUMABLE)).run_dir
+
+
+def _rows_after(run_dir, step: int) -> list[dict[str, str]]:
+    return [r for r in read_metrics(run_dir) if int(r["step"]) > step]
+
+
+@pytest.mark.parametrize("step", [44, 50], ids=["after-epoch-2", "mid-epoch-3"])
+def test_resume_from_path_is_exact(reference, tmp_path, step) -> None:
+    source = reference / "checkpoints" / f"step-{step:08d}.pt"
+    assert load_state(source)["loop"]["step"] == step
+    resumed = assert_ok(run_app(tmp_path / "resumed", *RESUMABLE, f"resume={source}"))
+    assert f"resumed from {source} at step {step}" in resumed.output
+    assert_same_weights(reference / "checkpoints" / "last.pt",
+                        resumed.run_dir / "checkpoints" / "last.pt")
+    assert _rows_after(resumed.run_dir, step) == _rows_after(reference, step)
+    assert _rows_after(resumed.run_dir, step)  # it did train after the resume point
+
+
+def test_resume_auto_in_place_rebuilds_identical_run(reference, tmp_path) -> None:
+    # A copy of the run as it was when killed after step 30: later checkpoints never existed,
+    # but metrics.csv already has rows past step 30 (logged before the crash).
+    copy = tmp_path / "restarted"
+    shutil.copytree(reference, copy)
+    ckpts = copy / "checkpoints"
+    for path in ckpts.glob("*.pt"):
+        if path.name in ("last.pt", "best.pt") or int(path.stem.split("-")[1]) > 30:
+            path.unlink()
+    os.link(ckpts / "step-00000030.pt", ckpts / "last.pt")
+    assert_ok(run_app(copy, *RESUMABLE))  # resume=auto is the default
+    assert_same_weights(reference / "checkpoints" / "last.pt", ckpts / "last.pt")
+    assert read_metrics(copy) == read_metrics(reference)
+
+
+def test_resume_null_starts_fresh_and_ckpt_loads_weights_only(reference, tmp_path) -> None:
+    fresh = assert_ok(run_app(reference.parent / "fresh", *RESUMABLE, "trainer.max_epochs=1",
+                              "resume=null", "trainer.ckpt_every_n_steps=null"))
+    assert "resumed" not in fresh.output
+    tuned = assert_ok(run_app(tmp_path / "tuned", *TINY, "trainer.max_epochs=1",
+                              f"ckpt={reference}/checkpoints/last.pt"))
+    assert "loaded weights from" in tuned.output
+    rows = read_metrics(tuned.run_dir)
+    assert int(rows[0]["step"]) == 1  # a new schedule from step 1
+    first_loss = float(rows[0]["loss"])
+    scratch_loss = float(read_metrics(fresh.run_dir)[0]["loss"])
+    assert first_loss < scratch_loss / 2  # trained weights were loaded
+
+
+def test_sigterm_saves_then_resume_auto_finishes_exactly(tmp_path) -> None:
+    overrides = [*TINY, "trainer.max_epochs=12", "trainer.ckpt_every_n_epochs=null"]
+    reference = assert_ok(run_app(tmp_path / "reference", *overrides)).run_dir
+    run_dir = tmp_path / "interrupted"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *overrides],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.csv"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) > 40:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "stopped by signal SIGTERM" in output and "Traceback" not in output
+    stopped_at = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
+    assert 0 < stopped_at < 12 * 22
+    resumed = assert_ok(run_app(run_dir, *overrides))
+    assert f"at step {stopped_at}" in resumed.output
+    assert_same_weights(reference / "checkpoints" / "last.pt",
+                        run_dir / "checkpoints" / "last.pt")
+    assert read_metrics(run_dir) == read_metrics(reference)
