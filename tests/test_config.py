@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONF_DIR, make_config
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from app.build import build_data, build_model, build_optimizer, build_scheduler
 from app.config import AppConfig, Mode, UserError, validate
+from conftest import CONF_DIR, make_config
 
 GROUPS = {
     group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from conftest import REPO, TINY, assert_ok, load_state, make_config, read_metrics, run_app
 
 

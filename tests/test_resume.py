@@ -10,9 +10,8 @@ import sys
 import time
 
 import pytest
-from conftest import (
-    REPO, TINY, assert_ok, assert_same_weights, load_state, read_metrics, run_app,
-)
+
+from conftest import REPO, TINY, assert_ok, assert_same_weights, load_state, read_metrics, run_app
 
 # 22 steps per epoch; a checkpoint every 10 steps and at each epoch end, none deleted.
 RESUMABLE = [*TINY, "trainer.ckpt_every_n_steps=10", "trainer.keep_last=100"]

@@ -9,13 +9,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from app import checkpoint, dist
 from app.build import (
-    build_data, build_model, build_optimizer, build_scheduler, build_train_loader,
+    build_data,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    build_train_loader,
     build_val_loader,
 )
 from app.config import AppConfig, AppError, MonitorMode, UserError
