@@ -7,6 +7,7 @@ defaults list, so a misspelt key or a wrong type fails at compose time. Object g
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -62,6 +63,9 @@ class DistributedConfig:
     backend: str = "auto"
     timeout_s: float = 1800.0
     start_method: str = "spawn"
+    set_device_rank: bool = True
+    kill_grace_s: float = 5.0
+    horovod: bool = False
 
 
 @dataclass
@@ -79,8 +83,11 @@ class AppConfig:
     optimizer: Any = None
     scheduler: Any = None
     accelerator: str = "auto"
-    devices: int = 1
+    accelerator_strict: bool = False
+    devices: Any = 1  # an int, or "auto"
     nodes: int = 1
+    machine_rank: int = 0
+    dist_url: str = "auto"
     seed: int = 0
     ckpt: str | None = None
     resume: str | None = "auto"
@@ -117,9 +124,23 @@ def validate(cfg: AppConfig) -> None:
         raise UserError(f"trainer.keep_last={t.keep_last}: must be 0 or more")
     if t.mode != Mode.trainval and cfg.ckpt is None:
         raise UserError(f"trainer={t.mode.value} needs a checkpoint: add ckpt=PATH/TO/best.pt")
-    _positive("devices", cfg.devices, allow_none=False)
+    if cfg.devices != "auto" and (not isinstance(cfg.devices, int) or cfg.devices < 1):
+        raise UserError(f"devices={cfg.devices}: expected a positive number or auto")
     _positive("nodes", cfg.nodes, allow_none=False)
-    _positive("distributed.timeout_s", cfg.distributed.timeout_s, allow_none=False)
+    if not 0 <= cfg.machine_rank < cfg.nodes:
+        raise UserError(f"machine_rank={cfg.machine_rank}: must lie in [0, nodes={cfg.nodes})")
+    if cfg.dist_url == "auto" and cfg.nodes > 1:
+        raise UserError(
+            f"dist_url=auto works on one machine only; with nodes={cfg.nodes} give the address "
+            f"of machine 0, the same on every machine: dist_url=tcp://HOST:PORT")
+    if cfg.dist_url != "auto" and not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", cfg.dist_url):
+        raise UserError(f"dist_url={cfg.dist_url}: expected auto or tcp://HOST:PORT")
+    d = cfg.distributed
+    _positive("distributed.timeout_s", d.timeout_s, allow_none=False)
+    _positive("distributed.kill_grace_s", d.kill_grace_s, allow_none=False)
+    if d.start_method not in ("spawn", "forkserver", "fork"):
+        raise UserError(
+            f"distributed.start_method={d.start_method}: expected spawn, forkserver or fork")
     if cfg.seed < 0:
         raise UserError(f"seed={cfg.seed}: must be 0 or more")
     for group in ("model", "data", "optimizer"):

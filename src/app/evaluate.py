@@ -15,7 +15,6 @@ from app import checkpoint, dist
 from app.build import build_data, build_model, build_val_loader
 from app.config import AppConfig
 from app.loggers import CSVLogger
-from app.runtime import select_device
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +36,7 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict
     return {"loss": loss_sum / count, "acc": correct / count}
 
 
-def run_eval(cfg: AppConfig, run_dir: Path) -> float:
-    device = select_device(cfg.accelerator)
+def run_eval(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     data = build_data(cfg)
     model = build_model(cfg, data)
     state = checkpoint.load(cfg.ckpt)

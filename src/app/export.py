@@ -25,7 +25,8 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def run_export(cfg: AppConfig, run_dir: Path) -> float:
+def run_export(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
+    # Exported programs are traced on the CPU, where every deployment can load them.
     data = build_data(cfg)
     model = build_model(cfg, data)
     checkpoint.load_model_weights(model, checkpoint.load(cfg.ckpt), cfg.ckpt)

@@ -19,7 +19,6 @@ from app import checkpoint
 from app.build import build_data, build_model
 from app.config import AppConfig, UserError
 from app.data import DataModule
-from app.runtime import select_device
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +107,7 @@ def save_grid(
 
 
 @torch.no_grad()
-def run_predict(cfg: AppConfig, run_dir: Path) -> float | None:
-    device = select_device(cfg.accelerator)
+def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     data = build_data(cfg)
     model = build_model(cfg, data)
     checkpoint.load_model_weights(model, checkpoint.load(cfg.ckpt), cfg.ckpt)

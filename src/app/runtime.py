@@ -14,16 +14,65 @@ from app.config import UserError
 log = logging.getLogger(__name__)
 
 
-def select_device(accelerator: str) -> torch.device:
+ACCELERATORS = ("auto", "cuda", "cpu", "mps", "npu", "xpu", "hpu")
+# The process-group backend each device type is best served by.
+BACKENDS = {"cuda": "nccl", "npu": "hccl", "hpu": "hccl", "xpu": "xccl", "mps": "gloo",
+            "cpu": "gloo"}
+
+
+def _module(kind: str) -> Any:
+    return getattr(torch, kind, None)
+
+
+def available(kind: str) -> bool:
+    if kind == "cpu":
+        return True
+    if kind == "mps":
+        return torch.backends.mps.is_available()
+    module = _module(kind)  # torch.npu / torch.hpu exist once their plugins are imported
+    return module is not None and module.is_available()
+
+
+def device_count(kind: str) -> int:
+    if kind in ("cpu", "mps"):
+        return 1
+    return _module(kind).device_count() if available(kind) else 0
+
+
+def resolve_accelerator(accelerator: str, strict: bool) -> str:
+    """The device type to run on: `auto` picks the first available accelerator, else cpu."""
+    if accelerator not in ACCELERATORS:
+        raise UserError(f"accelerator={accelerator}: expected one of {', '.join(ACCELERATORS)}")
     if accelerator == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if accelerator == "cpu":
-        return torch.device("cpu")
-    if accelerator == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("accelerator=cuda: no CUDA device is visible; use accelerator=cpu")
-        return torch.device("cuda")
-    raise UserError(f"accelerator={accelerator}: expected auto, cpu or cuda")
+        return next((k for k in ("cuda", "xpu", "npu", "hpu", "mps") if available(k)), "cpu")
+    if available(accelerator):
+        return accelerator
+    if strict:
+        raise UserError(
+            f"accelerator={accelerator}: no such device is available here; use accelerator=cpu "
+            f"or accelerator=auto (or accelerator_strict=false to fall back to the CPU)")
+    log.warning("accelerator=%s is not available here: running on the CPU", accelerator)
+    return "cpu"
+
+
+def select_device(kind: str, local_rank: int = 0, set_device_rank: bool = True) -> torch.device:
+    """This process's device; made current before any collective needs it."""
+    if kind in ("cpu", "mps"):
+        return torch.device(kind)
+    index = local_rank if set_device_rank else 0
+    count = device_count(kind)
+    if index >= count:
+        raise UserError(
+            f"local rank {local_rank} needs {kind}:{index}, but only {count} {kind} device(s) "
+            f"are visible; lower devices=, or set distributed.set_device_rank=false when each "
+            f"process sees only its own device")
+    device = torch.device(kind, index)
+    _module(kind).set_device(device)
+    return device
+
+
+def backend_for(kind: str, requested: str) -> str:
+    return BACKENDS[kind] if requested == "auto" else requested
 
 
 def seed_everything(seed: int) -> None:

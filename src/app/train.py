@@ -7,10 +7,11 @@ import math
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
+import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from torch.nn.parallel import DistributedDataParallel
 
 from app import checkpoint, dist
 from app.build import (
@@ -24,7 +25,8 @@ from app.build import (
 from app.config import AppConfig, AppError, MonitorMode, UserError
 from app.evaluate import evaluate
 from app.loggers import MetricLogger
-from app.runtime import rng_state, seed_everything, select_device, set_rng_state
+from app.runtime import rng_state, seed_everything, set_rng_state
+from app.stop import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -56,37 +58,22 @@ def _resume_path(cfg: AppConfig, run_dir: Path) -> Path | None:
     return Path(cfg.resume)
 
 
-class _StopFlag:
-    """SIGINT/SIGTERM only set a flag; the loop stops at the next step boundary."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopFlag:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signal = signum
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def train(cfg: AppConfig, run_dir: Path) -> float | None:
+def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     """Train with periodic validation and checkpoints; returns the best monitored value."""
     t = cfg.trainer
     split, _, metric = t.monitor.partition("/")
     if split != "val" or metric not in ("loss", "acc"):
         raise UserError(f"trainer.monitor={t.monitor}: expected val/acc or val/loss")
-    device = select_device(cfg.accelerator)
-    seed_everything(cfg.seed)
+    rank, world_size = dist.rank(), dist.world_size()
+    seed_everything(cfg.seed)  # the same initial weights on every rank
     data = build_data(cfg)
     model = build_model(cfg, data).to(device)
     optimizer = build_optimizer(cfg, model)
+    # DDP also broadcasts rank 0's weights; the model stays unwrapped for validation and
+    # checkpoints (no `module.` prefixes), the wrapper only trains.
+    ddp_model = model if world_size == 1 else DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
+    torch.manual_seed(cfg.seed + rank)  # dropout differs between ranks, repeatably
     train_loader, sampler = build_train_loader(data, cfg.seed)
     val_loader = build_val_loader(data)
     steps_per_epoch = len(train_loader)
@@ -110,7 +97,11 @@ def train(cfg: AppConfig, run_dir: Path) -> float | None:
         scheduler.load_state_dict(state["scheduler"])
         step, epoch, batch_in_epoch = (state["loop"][k] for k in ("step", "epoch", "batch"))
         best = state["best"]
-        set_rng_state(state["rng"])
+        if len(state["rng"]) == world_size:
+            set_rng_state(state["rng"][rank])
+        else:
+            log.warning("checkpoint has random states of %d ranks, this run has %d: the run "
+                        "continues, but not bit-identically", len(state["rng"]), world_size)
         log.info("resumed from %s at step %d (epoch %d)", resume_from, step, epoch)
     elif cfg.ckpt is not None:
         checkpoint.load_model_weights(model, checkpoint.load(cfg.ckpt), cfg.ckpt)
@@ -134,6 +125,7 @@ def train(cfg: AppConfig, run_dir: Path) -> float | None:
             t.max_epochs is not None and epoch >= t.max_epochs)
 
     def save(val_metrics: dict[str, float] | None, is_best: bool) -> None:
+        rng = dist.all_gather_object(rng_state())  # every rank's, for an exact resume
         if not dist.is_main():
             return
         state = {
@@ -144,7 +136,7 @@ def train(cfg: AppConfig, run_dir: Path) -> float | None:
             "loop": {"step": step, "epoch": epoch, "batch": batch_in_epoch},
             "best": best,
             "metrics": val_metrics or {},
-            "rng": rng_state(),
+            "rng": rng,
             "config": config_record,
         }
         path = ckpt_dir / checkpoint.periodic_name(step)
@@ -155,20 +147,20 @@ def train(cfg: AppConfig, run_dir: Path) -> float | None:
         checkpoint.prune(ckpt_dir, t.keep_last)
 
     log.info(
-        "training %s on %s: %d steps/epoch, %d steps, %d train / %d val samples",
-        cfg.model["_target_"], device, steps_per_epoch, total_steps, len(data.train),
-        len(data.val),
+        "training %s on %s x %d: %d steps/epoch, %d steps, %d train / %d val samples",
+        cfg.model["_target_"], device.type, world_size, steps_per_epoch, total_steps,
+        len(data.train), len(data.val),
     )
     model.train()
-    with _StopFlag() as stop:
+    with StopRequest() as stop:
         while not finished():
             # Each epoch's order comes from (seed, epoch) alone, so a resumed run sees the same
             # batches; skipping on the sampler never loads the batches already trained on.
             sampler.set_epoch(epoch, skip=batch_in_epoch * data.batch_size)
-            train_loader.generator.manual_seed(cfg.seed * 100_003 + epoch)
+            train_loader.generator.manual_seed((cfg.seed * 100_003 + epoch) * 1009 + rank)
             for x, y in train_loader:
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                loss = F.cross_entropy(model(x), y)
+                loss = F.cross_entropy(ddp_model(x), y)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -207,7 +199,7 @@ def train(cfg: AppConfig, run_dir: Path) -> float | None:
                     log.info("step %d epoch %d: val loss %.4f acc %.4f%s", step, epoch,
                              val_metrics["loss"], val_metrics["acc"], " (best)" if is_best else "")
 
-                stopping = stop.signal is not None
+                stopping = stop.should_stop()
                 if done or stopping or is_best or _every(t.ckpt_every_n_steps, step) or (
                         epoch_end and _every(t.ckpt_every_n_epochs, epoch)):
                     save(val_metrics, is_best)

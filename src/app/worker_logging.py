@@ -1,0 +1,38 @@
+"""Logging of one rank: every rank writes `logs/rank{N}.log`; only rank 0 writes to the
+console and to the run's `train.log`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+FAILURE_LOGGER = "app.failure"
+
+
+def setup_rank_logging(run_dir: Path, rank: int, keep_handlers: bool) -> None:
+    """`keep_handlers`: rank 0 of a job whose Hydra logging (console, train.log) is already set."""
+    root = logging.getLogger()
+    if not keep_handlers:
+        # A spawned worker starts bare, a forked one inherits the parent's handlers, and under
+        # torchrun each rank's Hydra set them up: none of that is wanted except on rank 0.
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        if rank == 0:
+            console = logging.StreamHandler(sys.stdout)
+            train_log = logging.FileHandler(run_dir / "train.log")
+            for handler in (console, train_log):
+                handler.setFormatter(logging.Formatter(FORMAT))
+                root.addHandler(handler)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    own = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    own.setFormatter(logging.Formatter(FORMAT))
+    root.addHandler(own)
+    root.setLevel(logging.INFO)
+    # A worker's failure goes to its own log only; the launching process reports it once.
+    failures = logging.getLogger(FAILURE_LOGGER)
+    failures.propagate = False
+    for handler in list(failures.handlers):
+        failures.removeHandler(handler)
+    failures.addHandler(own)
