@@ -18,6 +18,7 @@ from app.config import AppConfig, register_schemas
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
+HELPERS = Path(__file__).resolve().parent / "helpers"  # test-only user code (PYTHONPATH)
 
 # A small CNN on digits: whole runs take a second or two on a 2-core CPU.
 TINY = [

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from app.config import AppConfig, AppError, register_schemas, validate
 from app.launch import launch
+from app.run_name import run_name
 
 log = logging.getLogger("app")
 
@@ -20,6 +21,7 @@ log = logging.getLogger("app")
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 register_schemas()
+OmegaConf.register_new_resolver("app_run_name", run_name)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")

@@ -20,8 +20,11 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict[str, float]:
-    """Mean loss and accuracy over the whole split, each sample counted once over all ranks."""
+def evaluate(
+    model: nn.Module, loader: DataLoader, device: torch.device
+) -> tuple[dict[str, float], int]:
+    """Mean loss and accuracy over the whole split, each sample counted once over all ranks;
+    and the number of samples counted."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
@@ -33,7 +36,7 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict
         totals[2] += y.numel()
     model.train(was_training)
     loss_sum, correct, count = dist.all_reduce_sum(totals).tolist()
-    return {"loss": loss_sum / count, "acc": correct / count}
+    return {"loss": loss_sum / count, "acc": correct / count}, int(count)
 
 
 def run_eval(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
@@ -41,14 +44,15 @@ def run_eval(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     model = build_model(cfg, data)
     state = checkpoint.load(cfg.ckpt)
     checkpoint.load_model_weights(model, state, cfg.ckpt)
-    metrics = evaluate(model.to(device), build_val_loader(data), device)
+    metrics, count = evaluate(model.to(device), build_val_loader(data), device)
     step = int(state.get("loop", {}).get("step", 0))
     if dist.is_main():
         CSVLogger(run_dir / "metrics.csv").log(step, int(state["loop"]["epoch"]), "val", metrics)
-        record = {"ckpt": str(cfg.ckpt), "step": step, "num_samples": len(data.val), **metrics}
+        record = {"ckpt": str(cfg.ckpt), "step": step, "num_samples": count,
+                  "world_size": dist.world_size(), **metrics}
         (run_dir / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
     log.info(
         "eval of %s (step %d) on %d validation samples: loss %.4f, acc %.4f",
-        cfg.ckpt, step, len(data.val), metrics["loss"], metrics["acc"],
+        cfg.ckpt, step, count, metrics["loss"], metrics["acc"],
     )
     return metrics[cfg.trainer.monitor.split("/", 1)[-1]]

@@ -107,6 +107,7 @@ def _spawned(local_rank: int, cfg: AppConfig, run_dir: Path, kind: str, devices:
     os.environ.update(RANK=str(me.rank), WORLD_SIZE=str(me.world_size),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(devices))
     setup_rank_logging(run_dir, me.rank, keep_handlers=False)
+    log.info("rank %d of %d: pid %d", me.rank, me.world_size, os.getpid())
     if kind == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))  # share the cores
     report = Path(report_dir)

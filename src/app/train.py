@@ -190,7 +190,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                     epoch_end and _every(t.val_every_n_epochs, epoch))
                 val_metrics, is_best = None, False
                 if validate:
-                    val_metrics = evaluate(model, val_loader, device)
+                    val_metrics, _ = evaluate(model, val_loader, device)
                     if logger is not None:
                         logger.log(step, epoch, "val", val_metrics)
                     is_best = _improved(val_metrics[metric], best, t.monitor_mode)

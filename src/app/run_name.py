@@ -1,0 +1,41 @@
+"""The run directory's name, `${app_run_name:}` in conf/config.yaml.
+
+Every rank of a torchrun or Slurm job composes the config itself; a name taken from the
+clock would differ between ranks, so those get a name all of them derive alike.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from datetime import datetime
+
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _parent_start_time() -> datetime | None:
+    """When the parent process (torchrun's agent, shared by all ranks of a machine) started."""
+    try:
+        with open(f"/proc/{os.getppid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return datetime.fromtimestamp(boot + ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def run_name(env: Mapping[str, str] | None = None, now: datetime | None = None) -> str:
+    env = os.environ if env is None else env
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id is not None:
+        if run_id != "none" and not UUID.fullmatch(run_id):
+            return f"torchrun/{run_id}"  # --rdzv-id, the same on every machine
+        started = _parent_start_time() or now or datetime.now()
+        return f"{started:%Y-%m-%d}/{started:%H-%M-%S-%f}"
+    if "SLURM_STEP_NUM_TASKS" in env and int(env["SLURM_STEP_NUM_TASKS"]) > 1:
+        # A requeued job keeps its id, so it finds its checkpoints again (resume=auto).
+        return f"slurm/{env.get('SLURM_JOB_ID', 'job')}.{env.get('SLURM_STEP_ID', '0')}"
+    now = now or datetime.now()
+    return f"{now:%Y-%m-%d}/{now:%H-%M-%S-%f}"
