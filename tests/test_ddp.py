@@ -8,8 +8,16 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import (
-    HELPERS, REPO, TINY, assert_ok, assert_same_weights, load_state, read_metrics, run_app,
+    HELPERS,
+    REPO,
+    TINY,
+    assert_ok,
+    assert_same_weights,
+    load_state,
+    read_metrics,
+    run_app,
 )
 
 

@@ -25,6 +25,11 @@ CASES = {
     "checkpoint of another model": (["trainer=eval", "ckpt=CKPT", "model=mlp"],
                                     "does not match the model"),
     "checkpoint of another width": (["trainer=eval", "ckpt=CKPT"], "shape"),
+    "several nodes without an address": (["nodes=2"], "dist_url=tcp://HOST:PORT"),
+    "missing accelerator, strict": (["accelerator=xpu", "accelerator_strict=true"],
+                                    "accelerator=xpu"),
+    "unknown accelerator": (["accelerator=tpu"], "accelerator=tpu"),
+    "horovod": (["distributed.horovod=true"], "Horovod is not supported"),
 }
 
 

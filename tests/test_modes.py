@@ -148,3 +148,10 @@ def test_help_lists_groups_and_cfg_prints_config() -> None:
     job = subprocess.run([sys.executable, "-m", "app", "--cfg", "job", "model=mlp"], cwd=REPO,
                          capture_output=True, text=True).stdout
     assert "_target_: app.models.MLP" in job and "max_epochs: 20" in job
+
+
+def test_unavailable_accelerator_falls_back_to_cpu(tmp_path) -> None:
+    result = assert_ok(run_app(tmp_path / "run", "accelerator=xpu", "debug=fast",
+                               "model.channels=[8,16]"))
+    assert "accelerator=xpu is not available here: running on the CPU" in result.output
+    assert "on cpu x 1" in result.output

@@ -165,6 +165,9 @@ def _failure_message(procs: list, killed: set[int], reports: list[dict], grace: 
     if "timed out" in first["error"].lower() or "timeout" in first["error"].lower():
         message += (f"; a rank did not reach a collective within "
                     f"distributed.timeout_s={timeout_s:g}")
+    if killed:
+        stuck = ", ".join(str(base_rank + i) for i in sorted(killed))
+        message += f"; rank(s) {stuck} did not exit within {grace:g} s and were killed"
     return message
 
 

@@ -1,0 +1,87 @@
+"""Rank environments read from variables: torchrun, SLURM, MPI/PMI, Horovod; run names."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+
+from app.cluster_env import check_horovod, detect, first_host
+from app.config import UserError
+from app.launch import resolve_devices
+from app.run_name import run_name
+from app.runtime import device_count
+
+NOW = datetime(2026, 12, 2, 15, 4, 5, 123456)
+
+
+def test_plain_process_is_not_a_rank() -> None:
+    assert detect({}) is None
+    assert detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}) is None
+    assert detect({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}) is None
+    assert detect({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}) is None
+
+
+def test_torchrun_variables() -> None:
+    env = detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                  "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29400",
+                  "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"})
+    assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
+        "torchrun", 3, 8, 1, 2)  # torchrun wins over SLURM variables
+    assert env.dist_url == "tcp://10.1.2.3:29400"
+
+
+def test_slurm_task_variables() -> None:
+    env = detect({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1",
+                  "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_ID": "123456",
+                  "SLURM_STEP_NODELIST": "gpu[07-08]"})
+    assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
+        "slurm", 5, 8, 1, 4)
+    assert env.master_addr == "gpu07"
+    assert env.master_port == 15000 + 123456 % 20000
+
+
+def test_mpi_variables() -> None:
+    env = detect({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+                  "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                  "MASTER_ADDR": "node1", "MASTER_PORT": "23456"})
+    assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
+        "mpi", 2, 4, 0, 2)
+    pmi = detect({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1",
+                  "MASTER_ADDR": "127.0.0.1"})
+    assert (pmi.rank, pmi.world_size, pmi.local_rank, pmi.master_port) == (1, 2, 1, 29500)
+    with pytest.raises(UserError, match="MASTER_ADDR"):
+        detect({"PMI_RANK": "1", "PMI_SIZE": "2"})
+
+
+@pytest.mark.parametrize("nodelist,host", [
+    ("node1", "node1"), ("gpu[07-09,12]", "gpu07"), ("a[3],b[1-2]", "a3"),
+    ("cpu1,cpu2", "cpu1"), ("rack1-node[010-011]", "rack1-node010"),
+])
+def test_first_host_of_a_nodelist(nodelist, host) -> None:
+    assert first_host(nodelist) == host
+
+
+def test_horovod_is_refused_with_a_pointer() -> None:
+    check_horovod({}, requested=False)
+    for env, requested in (({"HOROVOD_RANK": "0"}, False), ({}, True)):
+        with pytest.raises(UserError, match="torchrun"):
+            check_horovod(env, requested)
+
+
+def test_run_names_agree_between_ranks() -> None:
+    assert run_name({}, NOW) == "2026-12-02/15-04-05-123456"
+    assert run_name({"TORCHELASTIC_RUN_ID": "job42"}, NOW) == "torchrun/job42"
+    assert run_name({"SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"},
+                    NOW) == "slurm/77.0"
+    # torchrun's own random id: a name from the start time of the agent, shared by its ranks
+    uuid = "0b0f4b4e-3a52-4a8e-9d7e-3f1b2c3d4e5f"
+    assert run_name({"TORCHELASTIC_RUN_ID": uuid}) == run_name({"TORCHELASTIC_RUN_ID": uuid})
+
+
+def test_device_counts() -> None:
+    assert resolve_devices("auto", "cpu") == 1
+    assert resolve_devices(3, "cpu") == 3
+    too_many = device_count("cuda") + 1
+    with pytest.raises(UserError, match=f"devices={too_many}"):
+        resolve_devices(too_many, "cuda")

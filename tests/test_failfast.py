@@ -1,0 +1,104 @@
+"""A failure anywhere ends the whole job promptly, says where, and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (
+    HELPERS,
+    REPO,
+    TINY,
+    assert_ok,
+    assert_same_weights,
+    load_state,
+    read_metrics,
+    run_app,
+)
+
+FAULTY = [*TINY, "devices=2", "model._target_=faults.FaultyCNN", "distributed.timeout_s=5"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie has exited; only its exit status is left
+
+
+def _worker_pids(run_dir: Path) -> list[int]:
+    pids = []
+    for log in (run_dir / "logs").glob("rank*.log"):
+        pids += [int(p) for p in re.findall(r"rank \d+ of \d+: pid (\d+)", log.read_text())]
+    return pids
+
+
+def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *overrides], cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": str(HELPERS)})
+
+
+@pytest.mark.parametrize("fault,words", [
+    ("raise", "rank 1 failed: RuntimeError: injected fault"),
+    ("kill", "rank 1 (pid"),
+    ("hang", "distributed.timeout_s=5"),
+])
+def test_a_failing_rank_ends_the_job(fault, words, tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    proc = _start(run_dir, *FAULTY, f"+model.fault={fault}")
+    output, _ = proc.communicate(timeout=120)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1, output[-3000:]
+    assert elapsed < 30 + 10, elapsed  # 30 s after the fault, plus start-up
+    assert words in output, output[-3000:]
+    assert "Traceback" not in output  # one line on the console ...
+    if fault == "raise":  # ... and the traceback in the rank's own log
+        rank_log = (run_dir / "logs" / "rank1.log").read_text()
+        assert "Traceback" in rank_log and "injected fault" in rank_log
+    if fault == "kill":
+        assert "killed by SIGKILL" in output
+    if fault == "hang":
+        assert "rank(s) 1 did not exit" in output
+    pids = _worker_pids(run_dir)
+    assert len(pids) == 2 and not [p for p in pids if _alive(p)]
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_resume_is_exact(tmp_path) -> None:
+    overrides = [*TINY, "devices=2", "trainer.max_epochs=12", "trainer.ckpt_every_n_epochs=null"]
+    run_dir = tmp_path / "interrupted"
+    proc = _start(run_dir, *overrides)
+    metrics = run_dir / "metrics.csv"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) > 30:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    output, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - started < 30
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "stopped by SIGTERM" in output and "Traceback" not in output
+    stopped_at = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
+    assert 0 < stopped_at < 12 * 11
+    assert not [p for p in _worker_pids(run_dir) if _alive(p)]
+
+    resumed = _start(run_dir, *overrides)  # resume=auto: the same command again
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output[-3000:]
+    assert f"at step {stopped_at}" in output
+    reference = assert_ok(run_app(tmp_path / "reference", *overrides)).run_dir
+    assert_same_weights(reference / "checkpoints" / "last.pt",
+                        run_dir / "checkpoints" / "last.pt")
+    assert read_metrics(run_dir) == read_metrics(reference)
