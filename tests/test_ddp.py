@@ -99,3 +99,11 @@ def test_torchrun_trains_into_one_run_directory(tmp_path) -> None:
     assert "rank 1 of 2 from torchrun" in (run_dir / "logs" / "rank1.log").read_text()
     assert (run_dir / "checkpoints" / "last.pt").is_file()
     assert (proc.stdout + proc.stderr).count("done: step 11") == 1
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_other_start_methods(method, tmp_path) -> None:
+    result = assert_ok(run_app(tmp_path / "run", "devices=2", "debug=fast",
+                               "model.channels=[8,16]", f"distributed.start_method={method}"))
+    assert (result.run_dir / "logs" / "rank1.log").is_file()
+    assert load_state(result.run_dir / "checkpoints" / "last.pt")["loop"]["step"] == 6

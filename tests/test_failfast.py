@@ -102,3 +102,23 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_is_exact(tmp_path) -> No
     assert_same_weights(reference / "checkpoints" / "last.pt",
                         run_dir / "checkpoints" / "last.pt")
     assert read_metrics(run_dir) == read_metrics(reference)
+
+
+def test_ctrl_c_stops_every_process_with_a_checkpoint(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "devices=2",
+         "trainer.max_epochs=50"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)  # its own process group, as a terminal's foreground job
+    metrics = run_dir / "metrics.csv"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+            metrics.is_file() and len(metrics.read_text().splitlines()) > 10):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "stopped by SIGINT" in output and "Traceback" not in output
+    assert load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"] > 0
+    assert not [p for p in _worker_pids(run_dir) if _alive(p)]
