@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 STAMP := .installed
 
-.PHONY: help install run test lint clean
+.PHONY: help install run test lint clean slurm-up slurm-down
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -27,6 +27,12 @@ test: $(STAMP)  ## run the test suite
 
 lint: $(STAMP)  ## ruff
 	$(PYTHON) -m ruff check src tests
+
+slurm-up:  ## start a local Slurm cluster of 2 emulated nodes (root; installs Debian's slurm)
+	scripts/slurm-local.sh up
+
+slurm-down:  ## stop the local Slurm cluster
+	scripts/slurm-local.sh down
 
 clean:  ## remove caches and build files (never outputs/: runs are kept)
 	rm -rf .pytest_cache .ruff_cache build dist src/*.egg-info $(STAMP)

@@ -116,7 +116,7 @@ def test_export_fails_when_outputs_differ(trained, tmp_path, monkeypatch) -> Non
     cfg = make_config("trainer=export", f"ckpt={trained}/checkpoints/best.pt",
                       "model.channels=[8,16]")
     with pytest.raises(AppError, match="torchscript"):
-        run_export(cfg, tmp_path)
+        run_export(cfg, tmp_path, torch.device("cpu"))
 
 
 def test_seeded_runs_repeat_and_seeds_differ(tmp_path) -> None:

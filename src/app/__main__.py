@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from app.config import AppConfig, AppError, register_schemas, validate
+from app.config import AppError, register_schemas, to_app_config
 from app.launch import launch
-from app.run_name import run_name
+from app.resolvers import register_resolvers
 
 log = logging.getLogger("app")
 
@@ -21,7 +22,10 @@ log = logging.getLogger("app")
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 register_schemas()
-OmegaConf.register_new_resolver("app_run_name", run_name)
+register_resolvers()
+# conf/hydra/launcher/submitit_*.yaml shadow the stock options on purpose (same names, app's
+# launcher) and are checked against their schemas; Hydra warns about that on every run.
+warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema")
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
@@ -29,9 +33,7 @@ def main(dict_cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         # Convert at the boundary: below here code sees plain, resolved, typed objects.
-        cfg: AppConfig = OmegaConf.to_object(dict_cfg)
-        validate(cfg)
-        return launch(cfg, run_dir)
+        return launch(to_app_config(dict_cfg), run_dir)
     except AppError as e:
         log.error("%s", e)
         if HydraConfig.get().mode == RunMode.MULTIRUN:

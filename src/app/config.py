@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf, open_dict, read_write
 
 
 class AppError(Exception):
@@ -93,6 +94,17 @@ class AppConfig:
     resume: str | None = "auto"
 
 
+def to_app_config(composed: Any) -> AppConfig:
+    """The typed, resolved and validated config of a composed job (its `hydra` node dropped)."""
+    if "hydra" in composed:
+        composed = composed.copy()
+        with read_write(composed), open_dict(composed):
+            del composed["hydra"]
+    cfg = OmegaConf.to_object(composed)
+    validate(cfg)
+    return cfg
+
+
 def register_schemas() -> None:
     ConfigStore.instance().store(name="app_schema", node=AppConfig)
 
@@ -129,10 +141,6 @@ def validate(cfg: AppConfig) -> None:
     _positive("nodes", cfg.nodes, allow_none=False)
     if not 0 <= cfg.machine_rank < cfg.nodes:
         raise UserError(f"machine_rank={cfg.machine_rank}: must lie in [0, nodes={cfg.nodes})")
-    if cfg.dist_url == "auto" and cfg.nodes > 1:
-        raise UserError(
-            f"dist_url=auto works on one machine only; with nodes={cfg.nodes} give the address "
-            f"of machine 0, the same on every machine: dist_url=tcp://HOST:PORT")
     if cfg.dist_url != "auto" and not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", cfg.dist_url):
         raise UserError(f"dist_url={cfg.dist_url}: expected auto or tcp://HOST:PORT")
     d = cfg.distributed

@@ -237,6 +237,10 @@ def launch(cfg: AppConfig, run_dir: Path) -> float | None:
     if cfg.trainer.mode in (Mode.predict, Mode.export) and devices * cfg.nodes > 1:
         log.info("trainer=%s runs in one process", cfg.trainer.mode.value)
     elif devices * cfg.nodes > 1:
+        if cfg.dist_url == "auto" and cfg.nodes > 1:  # (a SLURM job takes its address from SLURM)
+            raise UserError(
+                f"dist_url=auto works on one machine only; with nodes={cfg.nodes} give the "
+                f"address of machine 0, the same on every machine: dist_url=tcp://HOST:PORT")
         url = _free_local_url() if cfg.dist_url == "auto" else cfg.dist_url
         return spawn(cfg, run_dir, kind, devices, url)
     return worker(cfg, run_dir, select_device(kind, 0, cfg.distributed.set_device_rank))

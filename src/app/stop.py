@@ -4,11 +4,17 @@ A signal handler only sets a flag. At each step boundary every rank calls `shoul
 with several ranks it starts a non-blocking MAX all-reduce of the flag and reads the previous
 step's result, so all ranks see the same answer at the same step, one step after the first
 rank got the signal, without waiting on the network in the step loop.
+
+SIGINT and SIGTERM stop the run. SIGUSR1/SIGUSR2 are handled only where a job system put a
+handler of its own for them (submitit asks for USR2 before a time limit or on preemption):
+the loop stops, the checkpoint is written, and then that handler runs (submitit's requeues
+the job, which resumes from the checkpoint).
 """
 
 from __future__ import annotations
 
 import signal
+import time
 from typing import Any
 
 import torch
@@ -17,21 +23,46 @@ import torch.distributed as tdist
 from app import dist
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+REQUEUE_WAIT_S = 120
 
 
 class StopRequest:
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.requeue_signal: int | None = None
         self._previous: dict[int, Any] = {}
         self._pending: tuple[Any, torch.Tensor] | None = None
 
     def __enter__(self) -> StopRequest:
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        for sig in REQUEUE_SIGNALS:
+            if callable(signal.getsignal(sig)):  # a job system's own handler
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.signal = self.signal or signum
+        # A requeue request wins over a plain stop (submitit's preemption sends TERM, then USR2).
+        if signum in REQUEUE_SIGNALS:
+            self.requeue_signal = signum
+        self.signal = self.requeue_signal or self.signal or signum
+
+    def requeue(self) -> None:
+        """After the checkpoint: hand a requeue request to the handler it was meant for.
+
+        Rank 0's handler requeues the job (which ends every task of it) and exits. The other
+        ranks wait to be ended: exiting first would make Slurm end rank 0 (--kill-on-bad-exit)
+        before it could requeue.
+        """
+        if self.requeue_signal is None:
+            return
+        handler = self._previous[self.requeue_signal]
+        self.__exit__(None)
+        if dist.rank() == 0:
+            handler(self.requeue_signal, None)
+        else:
+            time.sleep(REQUEUE_WAIT_S)
 
     def should_stop(self) -> bool:
         if not dist.initialized():
@@ -60,3 +91,4 @@ class StopRequest:
         self._pending = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+

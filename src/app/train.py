@@ -204,6 +204,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                         epoch_end and _every(t.ckpt_every_n_epochs, epoch)):
                     save(val_metrics, is_best)
                 if stopping:
+                    stop.requeue()  # when a job system asked for it (submitit on SLURM)
                     raise Interrupted(
                         f"stopped by signal {signal.Signals(stop.signal).name} at step {step}; "
                         f"checkpoint saved: run again with hydra.run.dir={run_dir} to resume",

@@ -1,0 +1,191 @@
+"""Real jobs on the local Slurm cluster (`make slurm-up`): DDP, arrays, requeue, failures.
+
+Outside CI, without a cluster, these skip with the reason; in CI (CI=true) they fail instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import HELPERS, REPO, TINY, assert_same_weights, load_state, read_metrics
+
+# Small resources: the emulated nodes share this machine's cores.
+SLURM = ["launcher=slurm", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1"]
+
+
+def _cluster_up() -> str | None:
+    if shutil.which("sinfo") is None:
+        return "sinfo not found"
+    try:
+        states = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
+                                timeout=20).stdout.split()
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer"
+    return None if states and set(states) <= {"idle", "mix", "alloc"} else f"nodes: {states}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_cluster() -> None:
+    problem = _cluster_up()
+    if problem is not None:
+        message = f"no local Slurm cluster ({problem}): start one with `make slurm-up` (root)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def _command(sweep: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "app", *SLURM, f"hydra.sweep.dir={sweep}",
+            "trainer.progress_bar=false", *overrides]
+
+
+def submit(sweep: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(sweep, *overrides), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(HELPERS)})
+
+
+def submit_in_background(sweep: Path, *overrides: str) -> subprocess.Popen:
+    log = open(sweep.parent / f"{sweep.name}.log", "w")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(_command(sweep, *overrides), cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ,
+                                                           "PYTHONPATH": str(HELPERS)})
+
+
+def job_ids(sweep: Path) -> list[str]:
+    return sorted(p.name for p in (sweep / ".submitit").iterdir() if p.is_dir())
+
+
+def job_field(job_id: str, name: str) -> str:
+    text = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+                          text=True).stdout
+    match = re.search(rf"\b{name}=(\S+)", text)
+    return match.group(1) if match else ""
+
+
+def final_state(job_id: str) -> str:
+    """The job's state once Slurm has finished with it (results can come before that)."""
+    _wait_for(lambda: job_field(job_id, "JobState") not in ("RUNNING", "COMPLETING",
+                                                             "PENDING", ""), 60, "job end")
+    return job_field(job_id, "JobState")
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_one_node_two_tasks_reach_the_accuracy_bar(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    _ok(submit(sweep, "devices=2"))
+    run_dir = sweep / "0"
+    assert load_state(run_dir / "checkpoints" / "best.pt")["best"] >= 0.97
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 from slurm" in (run_dir / "logs" / f"rank{rank}.log"
+                                                   ).read_text()
+    (job,) = job_ids(sweep)
+    assert job_field(job, "NumTasks") == "2" and final_state(job) == "COMPLETED"
+
+
+def test_two_nodes_one_task_each(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    _ok(submit(sweep, "nodes=2", "devices=1", *TINY, "trainer.max_epochs=2"))
+    (job,) = job_ids(sweep)
+    assert job_field(job, "NumNodes") == "2" and job_field(job, "NodeList") == "node[1-2]"
+    rank1 = (sweep / "0" / "logs" / "rank1.log").read_text()
+    assert "rank 1 of 2 from slurm" in rank1 and "done: step 22" in rank1  # 11 steps per epoch on 2 ranks
+
+
+def test_sweep_is_a_job_array_and_returns_both_results(tmp_path) -> None:
+    sweep, record = tmp_path / "sweep", tmp_path / "returns.jsonl"
+    _ok(submit(sweep, "optimizer.lr=0.01,0.003", *TINY, "trainer.max_epochs=1",
+               "+hydra.callbacks.record._target_=recorder.Recorder",
+               f"+hydra.callbacks.record.path={record}"))
+    assert len({j.split("_")[0] for j in job_ids(sweep)}) == 1  # one array: 7_0, 7_1
+    jobs = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(jobs) == 2
+    for num, job in enumerate(jobs):
+        best = max(float(r["acc"]) for r in read_metrics(sweep / str(num)) if r["split"] == "val")
+        assert job["status"] == "COMPLETED" and job["value"] == best
+
+
+def test_preempted_job_requeues_and_finishes_bit_identical(tmp_path) -> None:
+    overrides = ["devices=2", *TINY, "trainer.max_epochs=16", "trainer.ckpt_every_n_epochs=null"]
+    reference = submit_in_background(tmp_path / "reference", *overrides)
+    sweep = tmp_path / "preempted"
+    proc = submit_in_background(sweep, *overrides)
+    metrics = sweep / "0" / "metrics.csv"
+    _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) > 40, 300,
+              "training to start")
+    (job,) = job_ids(sweep)
+    # What Slurm sends before a time limit (--signal=USR2@...), or a preemption through submitit.
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    _wait_for(lambda: job_field(job, "Restarts") == "1", 120, "the job to requeue itself")
+    # Slurm holds a requeued job back for two minutes; an administrator may release it early.
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+    assert proc.wait(timeout=600) == 0, (sweep.parent / "preempted.log").read_text()[-3000:]
+    assert reference.wait(timeout=600) == 0
+    log = (sweep / "0" / "train.log").read_text()
+    resumed_at = int(re.search(r"resumed from \S+last\.pt at step (\d+)", log).group(1))
+    assert 0 < resumed_at < 16 * 11
+    assert_same_weights(tmp_path / "reference" / "0" / "checkpoints" / "last.pt",
+                        sweep / "0" / "checkpoints" / "last.pt")
+    assert read_metrics(sweep / "0") == read_metrics(tmp_path / "reference" / "0")
+
+
+def test_a_failing_rank_fails_the_job_promptly(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    result = submit(sweep, "devices=2", *TINY, "model._target_=faults.FaultyCNN",
+                    "+model.fault=raise", "distributed.timeout_s=600")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "RuntimeError: injected fault" in output and "job #0" in output
+    (job,) = job_ids(sweep)
+    assert final_state(job) == "FAILED"
+    minutes, seconds = job_field(job, "RunTime").split(":")[-2:]
+    assert int(minutes) * 60 + int(seconds) < 60  # rank 0 did not wait for the 600 s timeout
+
+
+def test_an_invalid_config_submits_nothing(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    result = submit(sweep, "optimizer.lr=0.1,-1", *TINY)  # the second job is invalid
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "optimizer.lr=-1" in output and "nothing was submitted" in output
+    assert not (sweep / ".submitit").exists()
+
+
+def test_queued_job_runs_the_config_as_submitted(tmp_path) -> None:
+    user_conf = tmp_path / "conf" / "model"
+    user_conf.mkdir(parents=True)
+    yaml = user_conf / "mutable.yaml"
+    yaml.write_text("_target_: app.models.CNN\nchannels: [8, 16]\n")
+    sweep = tmp_path / "sweep"
+    proc = submit_in_background(
+        sweep, f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=mutable",
+        "trainer.max_epochs=1", "+hydra.launcher.additional_parameters.hold=true")
+    _wait_for(lambda: (sweep / ".submitit").is_dir() and job_ids(sweep), 120, "submission")
+    (job,) = job_ids(sweep)
+    _wait_for(lambda: job_field(job, "JobState") == "PENDING", 60, "the held job")
+    yaml.write_text("_target_: app.models.CNN\nchannels: [4]\n")  # edited while queued
+    subprocess.run(["scontrol", "release", job], check=True)
+    assert proc.wait(timeout=600) == 0, (sweep.parent / "sweep.log").read_text()[-3000:]
+    state = load_state(sweep / "0" / "checkpoints" / "last.pt")
+    assert state["config"]["model"]["channels"] == [8, 16]
