@@ -110,7 +110,8 @@ def test_two_nodes_one_task_each(tmp_path) -> None:
     (job,) = job_ids(sweep)
     assert job_field(job, "NumNodes") == "2" and job_field(job, "NodeList") == "node[1-2]"
     rank1 = (sweep / "0" / "logs" / "rank1.log").read_text()
-    assert "rank 1 of 2 from slurm" in rank1 and "done: step 22" in rank1  # 11 steps per epoch on 2 ranks
+    # 11 steps per epoch on 2 ranks
+    assert "rank 1 of 2 from slurm" in rank1 and "done: step 22" in rank1
 
 
 def test_sweep_is_a_job_array_and_returns_both_results(tmp_path) -> None:

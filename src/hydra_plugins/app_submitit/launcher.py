@@ -41,7 +41,8 @@ class _SacctOnce(logging.Filter):
         if _SacctOnce.seen:
             return False
         _SacctOnce.seen = True
-        record.msg, record.args = "sacct failed (no Slurm accounting?): job states come from squeue", ()
+        record.msg = "sacct failed (no Slurm accounting?): job states come from squeue"
+        record.args = ()
         return True
 
 
