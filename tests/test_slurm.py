@@ -173,6 +173,12 @@ def test_an_invalid_config_submits_nothing(tmp_path) -> None:
     assert not (sweep / ".submitit").exists()
 
 
+def test_sweeping_the_topology_is_refused(tmp_path) -> None:
+    result = submit(tmp_path / "sweep", "devices=1,2", *TINY)
+    assert result.returncode == 2 and "submit one sweep per value" in result.stderr + result.stdout
+    assert not (tmp_path / "sweep" / ".submitit").exists()
+
+
 def test_queued_job_runs_the_config_as_submitted(tmp_path) -> None:
     user_conf = tmp_path / "conf" / "model"
     user_conf.mkdir(parents=True)

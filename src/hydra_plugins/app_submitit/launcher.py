@@ -89,12 +89,24 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
             config.hydra.sweep.subdir = str(config.hydra.sweep.subdir)
             config.hydra.mode = RunMode.MULTIRUN
         try:
-            to_app_config(config)
+            cfg = to_app_config(config)
+            self._check_allocation(cfg.devices, cfg.nodes)
         except AppError as e:
             log.error("job #%d (%s): %s; nothing was submitted", job_num,
                       " ".join(filter_overrides(overrides)), e)
             sys.exit(2)
         return config
+
+    def _check_allocation(self, devices: int | str, nodes: int) -> None:
+        """One allocation serves every job of a sweep: it must fit each job's topology."""
+        from app.config import UserError
+
+        if self._EXECUTOR == "slurm" and (devices, nodes) != (
+                self.params["tasks_per_node"], self.params["nodes"]):
+            raise UserError(
+                f"devices={devices} nodes={nodes} differ from the sweep's allocation "
+                f"({self.params['tasks_per_node']} tasks per node, {self.params['nodes']} "
+                f"nodes): submit one sweep per value of devices and nodes")
 
     def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int,
                  job_id: str, singleton_state: dict[type, Singleton]) -> JobReturn:
