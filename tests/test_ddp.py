@@ -107,3 +107,34 @@ def test_other_start_methods(method, tmp_path) -> None:
                                "model.channels=[8,16]", f"distributed.start_method={method}"))
     assert (result.run_dir / "logs" / "rank1.log").is_file()
     assert load_state(result.run_dir / "checkpoints" / "last.pt")["loop"]["step"] == 6
+
+
+def test_submitit_local_jobs_spawn_their_workers(tmp_path) -> None:
+    record = tmp_path / "returns.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "app", "-m", "hydra/launcher=submitit_local", "devices=2",
+         "seed=0,1", *TINY, "trainer.max_epochs=1", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+         "+hydra.callbacks.record._target_=recorder.Recorder",
+         f"+hydra.callbacks.record.path={record}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(HELPERS)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [j["status"] for j in jobs] == ["COMPLETED", "COMPLETED"]
+    for num, job in enumerate(jobs):
+        run_dir = tmp_path / "sweep" / str(num)
+        assert (run_dir / "logs" / "rank1.log").is_file()
+        best = max(float(r["acc"]) for r in read_metrics(run_dir) if r["split"] == "val")
+        assert job["value"] == best
+
+
+def test_submitit_local_failure_is_reported(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "app", "-m", "hydra/launcher=submitit_local", "devices=2",
+         *TINY, "model._target_=faults.FaultyCNN", "+model.fault=raise",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(HELPERS)})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "rank 1 failed: RuntimeError: injected fault" in output and "job #0" in output

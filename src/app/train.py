@@ -126,8 +126,13 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
 
     def save(val_metrics: dict[str, float] | None, is_best: bool) -> None:
         rng = dist.all_gather_object(rng_state())  # every rank's, for an exact resume
-        if not dist.is_main():
-            return
+        if dist.is_main():
+            write_checkpoint(rng, val_metrics, is_best)
+        # No rank runs ahead (or exits, on a stop) while rank 0 still writes: under SLURM a task
+        # that exits early gets its peers killed, rank 0 and its half-written file included.
+        dist.barrier()
+
+    def write_checkpoint(rng: list, val_metrics: dict[str, float] | None, is_best: bool) -> None:
         state = {
             "format": checkpoint.FORMAT_VERSION,
             "model": model.state_dict(),
