@@ -78,12 +78,12 @@ def final_state(job_id: str) -> str:
     return job_field(job_id, "JobState")
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
+def _wait_for(predicate, timeout: float, what: str, every: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.2)
+        time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -138,9 +138,16 @@ def test_preempted_job_requeues_and_finishes_bit_identical(tmp_path) -> None:
     (job,) = job_ids(sweep)
     # What Slurm sends before a time limit (--signal=USR2@...), or a preemption through submitit.
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    _wait_for(lambda: job_field(job, "Restarts") == "1", 120, "the job to requeue itself")
-    # Slurm holds a requeued job back for two minutes; an administrator may release it early.
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+    _wait_for(lambda: job_field(job, "Restarts") == "1"
+              and job_field(job, "JobState") == "PENDING", 120, "the job to requeue itself")
+
+    def started() -> bool:
+        # Slurm holds a requeued job back for two minutes; an administrator may release it
+        # early (repeated: an update made while the requeue completes can be overwritten).
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        return job_field(job, "JobState") != "PENDING"
+
+    _wait_for(started, 180, "the requeued job to start", every=2)
     assert proc.wait(timeout=600) == 0, (sweep.parent / "preempted.log").read_text()[-3000:]
     assert reference.wait(timeout=600) == 0
     log = (sweep / "0" / "train.log").read_text()

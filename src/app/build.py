@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -35,19 +37,55 @@ def build_data(cfg: AppConfig) -> DataModule:
     data = _instantiate("data", cfg.data)
     if not isinstance(data, DataModule):
         raise UserError(f"data._target_={cfg.data['_target_']} does not build an app DataModule")
+    if data.cache:
+        data.cache_in_memory()
     return data
 
 
 def build_model(cfg: AppConfig, data: DataModule) -> nn.Module:
-    return _instantiate(
+    model = _instantiate(
         "model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes
     )
+    if cfg.detail and dist.is_main():
+        log.info("model summary:\n%s", model_summary(model))
+    return model
 
 
-def build_optimizer(cfg: AppConfig, model: nn.Module) -> torch.optim.Optimizer:
+def model_summary(model: nn.Module) -> str:
+    """Parameter counts per top-level module, and the total."""
+    rows = [(name or "(model)", sum(p.numel() for p in module.parameters()),
+             sum(p.numel() for p in module.parameters() if p.requires_grad))
+            for name, module in model.named_children()] or [("(model)", 0, 0)]
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lines = [f"{'module':<24}{'params':>12}{'trainable':>12}"]
+    lines += [f"{n:<24}{a:>12,}{b:>12,}" for n, a, b in rows]
+    lines.append(f"{'total':<24}{total:>12,}{trainable:>12,}")
+    return "\n".join(lines)
+
+
+def parameter_groups(model: nn.Module, decay_norm_and_bias: bool) -> list[dict[str, Any]]:
+    """Biases and normalisation weights (the 1-d parameters) get no weight decay, unless asked:
+    decaying them only pulls the layers' scales and offsets towards zero."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if decay_norm_and_bias:
+        return [{"params": params}]
+    return [{"params": [p for p in params if p.ndim > 1]},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: AppConfig, model: nn.Module, global_batch: int | None = None
+                    ) -> torch.optim.Optimizer:
+    """The optimizer over `model`; with trainer.lr_scale_batch=B, lr *= global_batch / B."""
     factory = _instantiate("optimizer", cfg.optimizer)
+    overrides = {}
+    base = cfg.trainer.lr_scale_batch
+    if base is not None and global_batch is not None and "lr" in cfg.optimizer:
+        overrides["lr"] = cfg.optimizer["lr"] * global_batch / base
+        log.info("lr %.4g x global batch %d / %d = %.4g", cfg.optimizer["lr"], global_batch,
+                 base, overrides["lr"])
     try:
-        return factory(model.parameters())
+        return factory(parameter_groups(model, cfg.trainer.decay_norm_and_bias), **overrides)
     except (ValueError, TypeError) as e:
         raise UserError(f"optimizer ({cfg.optimizer['_target_']}): {e}") from e
 
@@ -98,19 +136,34 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+def seed_worker(worker_id: int) -> None:
+    """Seed Python's and NumPy's generators in a loader worker from torch's, which the loader
+    sets to a different value per worker: workers then never repeat random augmentations."""
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _loader_options(data: DataModule) -> dict[str, Any]:
+    workers = data.num_workers > 0
+    return {
+        "num_workers": data.num_workers,
+        "pin_memory": data.pin_memory and torch.cuda.is_available(),
+        "persistent_workers": data.persistent_workers and workers,
+        "worker_init_fn": seed_worker if workers else None,
+        # Its own generator keeps the loader from drawing on the global torch RNG (which the
+        # model's dropout uses); the loop reseeds it each epoch, so resume stays exact.
+        "generator": torch.Generator(),
+    }
+
+
 def build_train_loader(data: DataModule, seed: int) -> tuple[DataLoader, ResumableSampler]:
     sampler = ResumableSampler(data.train, seed)
-    # Its own generator keeps the loader from drawing on the global torch RNG (which the
-    # model's dropout uses); the loop reseeds it each epoch, so resume stays exact.
-    loader = DataLoader(
-        data.train, batch_size=data.batch_size, sampler=sampler, drop_last=True,
-        num_workers=data.num_workers, generator=torch.Generator(),
-    )
+    loader = DataLoader(data.train, batch_size=data.batch_size, sampler=sampler,
+                        drop_last=True, **_loader_options(data))
     return loader, sampler
 
 
 def build_val_loader(data: DataModule) -> DataLoader:
-    return DataLoader(
-        data.val, batch_size=data.val_batch_size, sampler=ShardSampler(data.val),
-        num_workers=data.num_workers, generator=torch.Generator(),
-    )
+    return DataLoader(data.val, batch_size=data.val_batch_size,
+                      sampler=ShardSampler(data.val), **_loader_options(data))

@@ -83,10 +83,21 @@ def load(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str | Path) -> None:
-    """Load the model weights of a checkpoint, naming every mismatch if they do not fit."""
+def inference_weights(state: dict[str, Any]) -> dict[str, Any]:
+    """The weights validation used: the EMA's when the run kept one (so eval matches)."""
+    ema = (state.get("train_step") or {}).get("ema")
+    return ema["module"] if ema else state["model"]
+
+
+def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str | Path,
+                       strict: bool = True, weights: dict[str, Any] | None = None) -> None:
+    """Load a checkpoint's model weights, naming every mismatch if they do not fit.
+
+    `strict=False` (fine-tuning a changed model): load the weights whose names and shapes
+    match and report the others.
+    """
     ours = model.state_dict()
-    theirs = state["model"]
+    theirs = state["model"] if weights is None else weights
     missing = sorted(set(ours) - set(theirs))
     unexpected = sorted(set(theirs) - set(ours))
     wrong_shape = [
@@ -94,6 +105,13 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
         for k in sorted(set(ours) & set(theirs))
         if theirs[k].shape != ours[k].shape
     ]
+    if not strict:
+        fitting = {k: v for k, v in theirs.items() if k in ours and v.shape == ours[k].shape}
+        model.load_state_dict(fitting, strict=False)
+        skipped = missing + unexpected + wrong_shape
+        log.info("loaded %d of %d weights from %s%s", len(fitting), len(ours), path,
+                 f"; skipped: {', '.join(skipped)}" if skipped else "")
+        return
     if missing or unexpected or wrong_shape:
         trained = state.get("config", {}).get("model", {})
         parts = [

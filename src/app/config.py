@@ -57,6 +57,12 @@ class TrainerConfig:
     input: str | None = None
     num_show: int = 32
     export_tolerance: float = 1e-5
+    accumulate_grad_batches: int = 1
+    grad_clip_norm: float | None = None
+    ema_decay: float = 0.9998
+    ema_warmup_steps: int = 2000
+    decay_norm_and_bias: bool = False
+    lr_scale_batch: int | None = None
 
 
 @dataclass
@@ -67,6 +73,13 @@ class DistributedConfig:
     set_device_rank: bool = True
     kill_grace_s: float = 5.0
     horovod: bool = False
+    sync_batchnorm: bool = False
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    broadcast_buffers: bool = True
+    bucket_cap_mb: float = 25.0
+    omp_threads: int | None = None
+    nccl_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,7 +104,18 @@ class AppConfig:
     dist_url: str = "auto"
     seed: int = 0
     ckpt: str | None = None
+    ckpt_strict: bool = True
     resume: str | None = "auto"
+    precision: str = "32"
+    ema: bool = False
+    compile: bool = False
+    deterministic: bool = False
+    tf32: bool | None = None
+    occupy: float = 0.0
+    detail: bool = False
+
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 
 
 def to_app_config(composed: Any) -> AppConfig:
@@ -149,6 +173,16 @@ def validate(cfg: AppConfig) -> None:
     if d.start_method not in ("spawn", "forkserver", "fork"):
         raise UserError(
             f"distributed.start_method={d.start_method}: expected spawn, forkserver or fork")
+    if str(cfg.precision) not in PRECISIONS:
+        raise UserError(f"precision={cfg.precision}: expected one of {', '.join(PRECISIONS)}")
+    _positive("trainer.accumulate_grad_batches", t.accumulate_grad_batches, allow_none=False)
+    _positive("trainer.grad_clip_norm", t.grad_clip_norm)
+    _positive("trainer.ema_warmup_steps", t.ema_warmup_steps, allow_none=False)
+    _positive("trainer.lr_scale_batch", t.lr_scale_batch)
+    if not 0 < t.ema_decay < 1:
+        raise UserError(f"trainer.ema_decay={t.ema_decay}: must lie strictly between 0 and 1")
+    if not 0 <= cfg.occupy < 1:
+        raise UserError(f"occupy={cfg.occupy}: a fraction of free GPU memory in [0, 1)")
     if cfg.seed < 0:
         raise UserError(f"seed={cfg.seed}: must be 0 or more")
     for group in ("model", "data", "optimizer"):

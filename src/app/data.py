@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from app.config import UserError
 
@@ -21,14 +21,21 @@ log = logging.getLogger(__name__)
 
 
 class DataModule:
-    """What the loop needs from a data object; subclasses fill in `train` and `val`."""
+    """What the loop needs from a data object; subclasses fill in `train` and `val`.
 
-    train: TensorDataset
+    Loader settings: `num_workers` loader processes, `pin_memory` (page-locked batches, with
+    CUDA), `persistent_workers` (kept across epochs), `cache` (the decoded data set in shared
+    memory, mapped by every loader worker instead of copied into each).
+    """
+
+    train: Dataset
     val: TensorDataset
     input_shape: tuple[int, ...]
     num_classes: int
 
-    def __init__(self, batch_size: int, val_batch_size: int | None, num_workers: int) -> None:
+    def __init__(self, batch_size: int, val_batch_size: int | None, num_workers: int,
+                 pin_memory: bool = True, persistent_workers: bool = True,
+                 cache: bool = False) -> None:
         if batch_size <= 0:
             raise UserError(f"data.batch_size={batch_size}: must be positive")
         if num_workers < 0:
@@ -36,6 +43,59 @@ class DataModule:
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers = num_workers
+        self.pin_memory, self.persistent_workers, self.cache = (
+            pin_memory, persistent_workers, cache)
+
+    def set_epoch(self, epoch: int, seed: int) -> None:
+        """Called by the loop before each epoch (random augmentations key on it)."""
+
+    def cache_in_memory(self) -> None:
+        """Decode every sample once into shared memory (`cache=true`)."""
+        self.train = _shared(self.train)
+        self.val = _shared(self.val)
+        log.info("cached %d + %d samples in shared memory", len(self.train), len(self.val))
+
+
+def _shared(dataset: Dataset) -> Dataset:
+    if isinstance(dataset, TensorDataset):
+        for tensor in dataset.tensors:
+            tensor.share_memory_()
+        return dataset
+    if isinstance(dataset, ShiftedImages):
+        dataset.images.share_memory_()
+        dataset.labels.share_memory_()
+        return dataset
+    items = [dataset[i] for i in range(len(dataset))]  # any map-style data set of tensors
+    return TensorDataset(*(torch.stack([torch.as_tensor(f) for f in field]).share_memory_()
+                           for field in zip(*items, strict=True)))
+
+
+class ShiftedImages(Dataset):
+    """Images randomly shifted by up to `shift` pixels (zero fill), labels unchanged.
+
+    The shift of sample i in an epoch comes from (seed, epoch, i) alone: the same whichever
+    loader worker draws it, so loader workers never repeat each other's shifts and a resumed
+    run sees the same augmented samples.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, shift: int) -> None:
+        self.images, self.labels, self.shift = images, labels, shift
+        self.key = torch.zeros(2, dtype=torch.int64).share_memory_()  # seed, epoch
+
+    def set_epoch(self, epoch: int, seed: int) -> None:
+        self.key[0], self.key[1] = seed, epoch
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seed, epoch = self.key.tolist()
+        g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 10_007 + index)
+        dy, dx = (torch.randint(-self.shift, self.shift + 1, (2,), generator=g)).tolist()
+        s = self.shift
+        padded = torch.nn.functional.pad(self.images[index], (s, s, s, s))
+        h, w = self.images.shape[-2:]
+        return padded[:, s + dy:s + dy + h, s + dx:s + dx + w], self.labels[index]
 
 
 def _split(num: int, val_fraction: float, split_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,16 +143,28 @@ class Digits(DataModule):
         self,
         val_fraction: float = 0.2,
         split_seed: int = 0,
+        shift: int = 0,
         batch_size: int = 64,
         val_batch_size: int | None = None,
         num_workers: int = 0,
+        pin_memory: bool = True,
+        persistent_workers: bool = True,
+        cache: bool = False,
     ) -> None:
-        super().__init__(batch_size, val_batch_size, num_workers)
+        super().__init__(batch_size, val_batch_size, num_workers, pin_memory,
+                         persistent_workers, cache)
+        if not 0 <= shift < 8:
+            raise UserError(f"data.shift={shift}: a number of pixels in [0, 8)")
         images, labels = load_digits_arrays()
         x, y = torch.from_numpy(images), torch.from_numpy(labels)
         train_idx, val_idx = _split(len(y), val_fraction, split_seed)
-        self.train = TensorDataset(x[train_idx], y[train_idx])
+        self.train = (ShiftedImages(x[train_idx], y[train_idx], shift) if shift
+                      else TensorDataset(x[train_idx], y[train_idx]))
         self.val = TensorDataset(x[val_idx], y[val_idx])
+
+    def set_epoch(self, epoch: int, seed: int) -> None:
+        if isinstance(self.train, ShiftedImages):
+            self.train.set_epoch(epoch, seed)
 
 
 class Synthetic(DataModule):
@@ -111,8 +183,12 @@ class Synthetic(DataModule):
         batch_size: int = 64,
         val_batch_size: int | None = None,
         num_workers: int = 0,
+        pin_memory: bool = True,
+        persistent_workers: bool = True,
+        cache: bool = False,
     ) -> None:
-        super().__init__(batch_size, val_batch_size, num_workers)
+        super().__init__(batch_size, val_batch_size, num_workers, pin_memory,
+                         persistent_workers, cache)
         if num_samples < 2 or num_classes < 2 or any(int(d) <= 0 for d in input_shape):
             raise UserError(
                 f"data: num_samples={num_samples}, num_classes={num_classes} and "

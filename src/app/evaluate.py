@@ -28,8 +28,9 @@ def evaluate(
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    dtype = next(model.parameters()).dtype  # bf16 under precision=bf16-true
     for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = x.to(device, dtype, non_blocking=True), y.to(device, non_blocking=True)
         logits = model(x)
         totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
         totals[1] += (logits.argmax(1) == y).sum()
@@ -43,7 +44,8 @@ def run_eval(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     data = build_data(cfg)
     model = build_model(cfg, data)
     state = checkpoint.load(cfg.ckpt)
-    checkpoint.load_model_weights(model, state, cfg.ckpt)
+    checkpoint.load_model_weights(model, state, cfg.ckpt,
+                                  weights=checkpoint.inference_weights(state))
     metrics, count = evaluate(model.to(device), build_val_loader(data), device)
     step = int(state.get("loop", {}).get("step", 0))
     if dist.is_main():

@@ -29,7 +29,9 @@ def run_export(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     # Exported programs are traced on the CPU, where every deployment can load them.
     data = build_data(cfg)
     model = build_model(cfg, data)
-    checkpoint.load_model_weights(model, checkpoint.load(cfg.ckpt), cfg.ckpt)
+    state = checkpoint.load(cfg.ckpt)
+    checkpoint.load_model_weights(model, state, cfg.ckpt,
+                                  weights=checkpoint.inference_weights(state))
     model.eval()
     x_val = data.val.tensors[0]
     example, check = x_val[:8], x_val[8:8 + data.val_batch_size]  # check on another batch size

@@ -18,11 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from app import dist
 from app.cluster_env import check_horovod, detect
 from app.config import AppConfig, AppError, Mode, UserError
-from app.runtime import backend_for, device_count, resolve_accelerator, select_device
+from app.runtime import (
+    apply_runtime_flags,
+    backend_for,
+    device_count,
+    resolve_accelerator,
+    select_device,
+)
 from app.worker_logging import FAILURE_LOGGER, setup_rank_logging
 
 log = logging.getLogger(__name__)
@@ -45,6 +52,9 @@ class Rank:
 
 def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     """Run the mode of `cfg.trainer` in this process; returns the monitored metric."""
+    apply_runtime_flags(cfg, device)
+    if cfg.detail and dist.is_main():
+        log.info("config:\n%s", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     # Each mode's module is imported only when chosen: predict and export pull in extra
     # libraries (matplotlib, torch.export) that a training run should not pay for.
     if cfg.trainer.mode == Mode.trainval:
@@ -82,6 +92,7 @@ def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank) -> float | None
     """Join the process group as `me`, run the mode, leave the group."""
     # The device is made current before the first collective (NCCL binds to it).
     device = select_device(kind, me.local_rank, cfg.distributed.set_device_rank)
+    os.environ.update(cfg.distributed.nccl_env)  # opt-in NCCL_* settings, before NCCL starts
     dist.init(backend_for(kind, cfg.distributed.backend), me.url, me.rank, me.world_size,
               me.local_rank, me.local_world_size, cfg.distributed.timeout_s)
     try:

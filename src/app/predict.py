@@ -110,7 +110,9 @@ def save_grid(
 def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     data = build_data(cfg)
     model = build_model(cfg, data)
-    checkpoint.load_model_weights(model, checkpoint.load(cfg.ckpt), cfg.ckpt)
+    state = checkpoint.load(cfg.ckpt)
+    checkpoint.load_model_weights(model, state, cfg.ckpt,
+                                  weights=checkpoint.inference_weights(state))
     model.to(device).eval()
     x, y, names = load_inputs(cfg.trainer.input, data)
     probs = torch.cat([

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 from typing import Any
 
@@ -112,3 +113,35 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def apply_runtime_flags(cfg: Any, device: torch.device) -> None:
+    """Determinism, TF32, thread count and GPU memory reservation, as the config asks."""
+    if cfg.deterministic:
+        # cuBLAS needs a fixed workspace for deterministic results (set before its first use).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True  # fastest kernels for fixed input shapes
+    if cfg.tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+    if cfg.distributed.omp_threads is not None:
+        torch.set_num_threads(cfg.distributed.omp_threads)
+    if cfg.occupy > 0:
+        occupy_memory(device, cfg.occupy)
+
+
+def occupy_memory(device: torch.device, fraction: float) -> None:
+    """Reserve `fraction` of the free GPU memory for PyTorch's caching allocator (the older
+    `--occupy`): the memory stays with this process for later tensors, not with other jobs."""
+    if device.type != "cuda":
+        log.info("occupy=%g: no GPU here, nothing reserved", fraction)
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    block = torch.empty(int(free * fraction), dtype=torch.uint8, device=device)
+    del block  # freed to the cache, which keeps it reserved
+    log.info("occupy=%g: reserved %.1f GiB on %s", fraction,
+             torch.cuda.memory_reserved(device) / 2**30, device)

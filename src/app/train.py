@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from app import checkpoint, dist
@@ -23,10 +23,12 @@ from app.build import (
     build_val_loader,
 )
 from app.config import AppConfig, AppError, MonitorMode, UserError
+from app.ema import ModelEMA
 from app.evaluate import evaluate
 from app.loggers import MetricLogger
 from app.runtime import rng_state, seed_everything, set_rng_state
 from app.stop import StopRequest
+from app.train_step import TrainStep
 
 log = logging.getLogger(__name__)
 
@@ -65,26 +67,45 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     if split != "val" or metric not in ("loss", "acc"):
         raise UserError(f"trainer.monitor={t.monitor}: expected val/acc or val/loss")
     rank, world_size = dist.rank(), dist.world_size()
+    accumulate = t.accumulate_grad_batches
     seed_everything(cfg.seed)  # the same initial weights on every rank
     data = build_data(cfg)
-    model = build_model(cfg, data).to(device)
-    optimizer = build_optimizer(cfg, model)
-    # DDP also broadcasts rank 0's weights; the model stays unwrapped for validation and
-    # checkpoints (no `module.` prefixes), the wrapper only trains.
-    ddp_model = model if world_size == 1 else DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = build_model(cfg, data)
+    if cfg.precision == "bf16-true":
+        model = model.to(torch.bfloat16)
+    if cfg.distributed.sync_batchnorm and world_size > 1:
+        if device.type in ("cpu", "mps"):
+            raise UserError("distributed.sync_batchnorm=true needs GPU (or XPU) devices: "
+                            "PyTorch's SyncBatchNorm has no CPU kernel")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
+    optimizer = build_optimizer(cfg, model, global_batch=data.batch_size * world_size * accumulate)
+    ema = ModelEMA(model, t.ema_decay, t.ema_warmup_steps) if cfg.ema else None
+    # The model stays unwrapped for validation and checkpoints (no `module.` or `_orig_mod.`
+    # prefixes); the DDP wrapper (which also broadcasts rank 0's weights) and the compiled
+    # module only train.
+    d = cfg.distributed
+    train_model: nn.Module = model if world_size == 1 else DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=d.find_unused_parameters, static_graph=d.static_graph,
+        broadcast_buffers=d.broadcast_buffers, bucket_cap_mb=d.bucket_cap_mb)
+    if cfg.compile:
+        train_model = torch.compile(train_model)
     torch.manual_seed(cfg.seed + rank)  # dropout differs between ranks, repeatably
     train_loader, sampler = build_train_loader(data, cfg.seed)
     val_loader = build_val_loader(data)
-    steps_per_epoch = len(train_loader)
+    steps_per_epoch = len(train_loader) // accumulate  # a partial group at the end is dropped
     if steps_per_epoch == 0:
         raise UserError(
-            f"data.batch_size={data.batch_size} is larger than the {len(sampler)} training "
-            f"samples of a process: lower it"
+            f"data.batch_size={data.batch_size} x trainer.accumulate_grad_batches={accumulate} "
+            f"is larger than the {len(sampler)} training samples of a process: lower them"
         )
     total_steps = min(
         t.max_steps or math.inf, (t.max_epochs or math.inf) * steps_per_epoch)
     scheduler = build_scheduler(cfg, optimizer, total_steps=int(total_steps))
+    train_step = TrainStep(model, train_model, optimizer, scheduler, device, cfg.precision,
+                           t.grad_clip_norm, ema)
+    eval_model = ema.module if ema is not None else model  # EMA weights validate when enabled
 
     # Resume (everything, exactly) or load weights only (a new schedule), or start fresh.
     step = epoch = batch_in_epoch = 0
@@ -95,6 +116,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         checkpoint.load_model_weights(model, state, resume_from)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        train_step.load_state_dict(state.get("train_step", {}))
         step, epoch, batch_in_epoch = (state["loop"][k] for k in ("step", "epoch", "batch"))
         best = state["best"]
         if len(state["rng"]) == world_size:
@@ -104,7 +126,10 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                         "continues, but not bit-identically", len(state["rng"]), world_size)
         log.info("resumed from %s at step %d (epoch %d)", resume_from, step, epoch)
     elif cfg.ckpt is not None:
-        checkpoint.load_model_weights(model, checkpoint.load(cfg.ckpt), cfg.ckpt)
+        checkpoint.load_model_weights(model, checkpoint.load(cfg.ckpt), cfg.ckpt,
+                                      strict=cfg.ckpt_strict)
+        if ema is not None:
+            ema.module.load_state_dict(model.state_dict())
         log.info("loaded weights from %s; training starts a new schedule", cfg.ckpt)
 
     ckpt_dir = run_dir / "checkpoints"
@@ -138,6 +163,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
+            "train_step": train_step.state_dict(),
             "loop": {"step": step, "epoch": epoch, "batch": batch_in_epoch},
             "best": best,
             "metrics": val_metrics or {},
@@ -161,15 +187,12 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         while not finished():
             # Each epoch's order comes from (seed, epoch) alone, so a resumed run sees the same
             # batches; skipping on the sampler never loads the batches already trained on.
-            sampler.set_epoch(epoch, skip=batch_in_epoch * data.batch_size)
+            sampler.set_epoch(epoch, skip=batch_in_epoch * accumulate * data.batch_size)
             train_loader.generator.manual_seed((cfg.seed * 100_003 + epoch) * 1009 + rank)
-            for x, y in train_loader:
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                loss = F.cross_entropy(ddp_model(x), y)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                scheduler.step()
+            data.set_epoch(epoch, cfg.seed)
+            micro_batches = iter(train_loader)
+            for _ in range(steps_per_epoch - batch_in_epoch):
+                loss = train_step([next(micro_batches) for _ in range(accumulate)])
                 step += 1
                 batch_in_epoch += 1
                 epoch_end = batch_in_epoch == steps_per_epoch
@@ -195,7 +218,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                     epoch_end and _every(t.val_every_n_epochs, epoch))
                 val_metrics, is_best = None, False
                 if validate:
-                    val_metrics, _ = evaluate(model, val_loader, device)
+                    val_metrics, _ = evaluate(eval_model, val_loader, device)
                     if logger is not None:
                         logger.log(step, epoch, "val", val_metrics)
                     is_best = _improved(val_metrics[metric], best, t.monitor_mode)

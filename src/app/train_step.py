@@ -1,0 +1,87 @@
+"""One optimizer step: micro-batches under the chosen precision, gradient accumulation and
+clipping, the optimizer, scheduler and EMA updates. Everything with state is checkpointed."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.config import UserError
+from app.ema import ModelEMA
+
+
+def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if precision == "bf16-mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "16-mixed":
+        return torch.autocast(device.type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    if precision == "16-mixed" and device.type == "cpu":
+        raise UserError("precision=16-mixed needs an accelerator (float16 autocast and loss "
+                        "scaling are for GPUs); on the CPU use precision=bf16-mixed")
+
+
+class TrainStep:
+    def __init__(self, model: nn.Module, train_model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, device: torch.device, precision: str,
+                 grad_clip_norm: float | None, ema: ModelEMA | None) -> None:
+        check_precision(precision, device)
+        self.model, self.train_model = model, train_model
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.device, self.precision = device, precision
+        self.grad_clip_norm, self.ema = grad_clip_norm, ema
+        self.input_dtype = torch.bfloat16 if precision == "bf16-true" else None
+        # Loss scaling keeps small float16 gradients from flushing to zero.
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
+
+    def __call__(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> torch.Tensor:
+        """Train on `micro_batches` as one batch; returns their mean loss (detached)."""
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x = x.to(self.device, dtype=self.input_dtype, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            # Gradients are averaged over ranks only after the last micro-batch: syncing each
+            # one would cost a collective per micro-batch for the same result.
+            last = i == len(micro_batches) - 1
+            no_sync = getattr(self.train_model, "no_sync", None)
+            with contextlib.nullcontext() if last or no_sync is None else no_sync():
+                with autocast_for(self.precision, self.device):
+                    loss = F.cross_entropy(self.train_model(x), y) / len(micro_batches)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += loss.detach().float()
+        if self.grad_clip_norm is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)  # clip the true gradients
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.model)
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict() if self.scaler else None,
+                "ema": self.ema.state_dict() if self.ema else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None:
+            if state.get("ema"):
+                self.ema.load_state_dict(state["ema"])
+            else:  # resuming a run that had no EMA: start the average from here
+                self.ema.module.load_state_dict(self.model.state_dict())
