@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from app import dist
+from app import checkpoint, dist
 from app.config import AppConfig, UserError
 from app.data import DataModule
 
@@ -49,6 +49,16 @@ def build_model(cfg: AppConfig, data: DataModule) -> nn.Module:
     if cfg.detail and dist.is_main():
         log.info("model summary:\n%s", model_summary(model))
     return model
+
+
+def build_trained_model(cfg: AppConfig, data: DataModule) -> tuple[nn.Module, dict[str, Any]]:
+    """The model of `cfg` with the weights of `cfg.ckpt` that validation used (EMA's when the
+    run kept one), in eval mode, on the CPU; and the checkpoint."""
+    model = build_model(cfg, data)
+    state = checkpoint.load(cfg.ckpt)
+    checkpoint.load_model_weights(model, state, cfg.ckpt,
+                                  weights=checkpoint.inference_weights(state))
+    return model.eval(), state
 
 
 def model_summary(model: nn.Module) -> str:

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from app import checkpoint, dist
-from app.build import build_data, build_model, build_val_loader
+from app import dist
+from app.build import build_data, build_trained_model, build_val_loader
 from app.config import AppConfig
 from app.loggers import CSVLogger
 
@@ -42,10 +42,7 @@ def evaluate(
 
 def run_eval(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     data = build_data(cfg)
-    model = build_model(cfg, data)
-    state = checkpoint.load(cfg.ckpt)
-    checkpoint.load_model_weights(model, state, cfg.ckpt,
-                                  weights=checkpoint.inference_weights(state))
+    model, state = build_trained_model(cfg, data)
     metrics, count = evaluate(model.to(device), build_val_loader(data), device)
     step = int(state.get("loop", {}).get("step", 0))
     if dist.is_main():

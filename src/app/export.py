@@ -9,8 +9,7 @@ from pathlib import Path
 
 import torch
 
-from app import checkpoint
-from app.build import build_data, build_model
+from app.build import build_data, build_trained_model
 from app.config import AppConfig, AppError
 
 log = logging.getLogger(__name__)
@@ -28,11 +27,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_export(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     # Exported programs are traced on the CPU, where every deployment can load them.
     data = build_data(cfg)
-    model = build_model(cfg, data)
-    state = checkpoint.load(cfg.ckpt)
-    checkpoint.load_model_weights(model, state, cfg.ckpt,
-                                  weights=checkpoint.inference_weights(state))
-    model.eval()
+    model, _ = build_trained_model(cfg, data)
     x_val = data.val.tensors[0]
     example, check = x_val[:8], x_val[8:8 + data.val_batch_size]  # check on another batch size
     out_dir = run_dir / "export"

@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app import checkpoint
-from app.build import build_data, build_model
+from app.build import build_data, build_trained_model
 from app.config import AppConfig, UserError
 from app.data import DataModule
 
@@ -109,11 +108,8 @@ def save_grid(
 @torch.no_grad()
 def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     data = build_data(cfg)
-    model = build_model(cfg, data)
-    state = checkpoint.load(cfg.ckpt)
-    checkpoint.load_model_weights(model, state, cfg.ckpt,
-                                  weights=checkpoint.inference_weights(state))
-    model.to(device).eval()
+    model, _ = build_trained_model(cfg, data)
+    model.to(device)
     x, y, names = load_inputs(cfg.trainer.input, data)
     probs = torch.cat([
         model(batch.to(device)).softmax(1).cpu() for batch in x.split(data.val_batch_size)])
