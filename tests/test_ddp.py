@@ -67,17 +67,24 @@ def test_resume_with_two_workers_is_exact(tmp_path) -> None:
     assert [r for r in read_metrics(resumed) if int(r["step"]) > 15] == after
 
 
-def test_multirun_sweep_spawns_and_returns_rank0_metric(tmp_path) -> None:
+def multirun(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`python -m app -m OVERRIDES` into tmp_path/sweep; what each job returned to Hydra."""
     record = tmp_path / "returns.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "app", "--multirun", "devices=2", "optimizer.lr=0.01,0.1",
-         *TINY, "trainer.max_epochs=1", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        [sys.executable, "-m", "app", "-m", *overrides, f"hydra.sweep.dir={tmp_path / 'sweep'}",
          "+hydra.callbacks.record._target_=recorder.Recorder",
          f"+hydra.callbacks.record.path={record}"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(HELPERS)})
+    jobs = [json.loads(line) for line in record.read_text().splitlines()] \
+        if record.is_file() else []
+    return proc, jobs
+
+
+def test_multirun_sweep_spawns_and_returns_rank0_metric(tmp_path) -> None:
+    proc, jobs = multirun(tmp_path, "devices=2", "optimizer.lr=0.01,0.1", *TINY,
+                          "trainer.max_epochs=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    jobs = [json.loads(line) for line in record.read_text().splitlines()]
     assert [j["overrides"][1] for j in jobs] == ["optimizer.lr=0.01", "optimizer.lr=0.1"]
     for num, job in enumerate(jobs):
         run_dir = tmp_path / "sweep" / str(num)
@@ -110,16 +117,9 @@ def test_other_start_methods(method, tmp_path) -> None:
 
 
 def test_submitit_local_jobs_spawn_their_workers(tmp_path) -> None:
-    record = tmp_path / "returns.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "app", "-m", "hydra/launcher=submitit_local", "devices=2",
-         "seed=0,1", *TINY, "trainer.max_epochs=1", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-         "+hydra.callbacks.record._target_=recorder.Recorder",
-         f"+hydra.callbacks.record.path={record}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(HELPERS)})
+    proc, jobs = multirun(tmp_path, "hydra/launcher=submitit_local", "devices=2", "seed=0,1",
+                          *TINY, "trainer.max_epochs=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    jobs = [json.loads(line) for line in record.read_text().splitlines()]
     assert [j["status"] for j in jobs] == ["COMPLETED", "COMPLETED"]
     for num, job in enumerate(jobs):
         run_dir = tmp_path / "sweep" / str(num)
@@ -129,12 +129,8 @@ def test_submitit_local_jobs_spawn_their_workers(tmp_path) -> None:
 
 
 def test_submitit_local_failure_is_reported(tmp_path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "app", "-m", "hydra/launcher=submitit_local", "devices=2",
-         *TINY, "model._target_=faults.FaultyCNN", "+model.fault=raise",
-         f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(HELPERS)})
+    proc, _ = multirun(tmp_path, "hydra/launcher=submitit_local", "devices=2", *TINY,
+                       "model._target_=faults.FaultyCNN", "+model.fault=raise")
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "rank 1 failed: RuntimeError: injected fault" in output and "job #0" in output
