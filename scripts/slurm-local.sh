@@ -9,8 +9,8 @@ set -euo pipefail
 
 CONF=/etc/slurm/slurm.conf
 NODES=(node1 node2)
-CPUS=${SLURM_LOCAL_CPUS:-4}        # CPUs each emulated node offers (they share the real ones)
-MEM_MB=${SLURM_LOCAL_MEM_MB:-8000}  # memory each emulated node offers
+CPUS=${SLURM_LOCAL_CPUS:-16}       # CPUs each emulated node offers (they share the real ones)
+MEM_MB=${SLURM_LOCAL_MEM_MB:-32000} # memory each emulated node offers (not enforced)
 
 need_root() {
   [ "$(id -u)" = 0 ] || { echo "slurm-local: needs root (it installs packages and starts daemons)" >&2; exit 1; }
