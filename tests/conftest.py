@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -79,6 +80,20 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert wa.keys() == wb.keys()
     for key in wa:
         assert torch.equal(wa[key], wb[key]), f"{key} differs between {a} and {b}"
+
+
+def multirun(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`python -m app -m OVERRIDES` into tmp_path/sweep; what each job returned to Hydra."""
+    record = tmp_path / "returns.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "app", "-m", *overrides, f"hydra.sweep.dir={tmp_path / 'sweep'}",
+         "+hydra.callbacks.record._target_=recorder.Recorder",
+         f"+hydra.callbacks.record.path={record}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(HELPERS)})
+    jobs = [json.loads(line) for line in record.read_text().splitlines()] \
+        if record.is_file() else []
+    return proc, sorted(jobs, key=lambda j: j["num"])  # parallel jobs end in any order
 
 
 @pytest.fixture(scope="session")

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from conftest import (
-    HELPERS,
-    REPO,
     TINY,
     assert_ok,
     assert_same_weights,
     load_state,
+    multirun,
     read_metrics,
     run_app,
 )
@@ -65,20 +63,6 @@ def test_resume_with_two_workers_is_exact(tmp_path) -> None:
     assert_same_weights(reference / "checkpoints" / "last.pt", resumed / "checkpoints" / "last.pt")
     after = [r for r in read_metrics(reference) if int(r["step"]) > 15]
     assert [r for r in read_metrics(resumed) if int(r["step"]) > 15] == after
-
-
-def multirun(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """`python -m app -m OVERRIDES` into tmp_path/sweep; what each job returned to Hydra."""
-    record = tmp_path / "returns.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "app", "-m", *overrides, f"hydra.sweep.dir={tmp_path / 'sweep'}",
-         "+hydra.callbacks.record._target_=recorder.Recorder",
-         f"+hydra.callbacks.record.path={record}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(HELPERS)})
-    jobs = [json.loads(line) for line in record.read_text().splitlines()] \
-        if record.is_file() else []
-    return proc, jobs
 
 
 def test_multirun_sweep_spawns_and_returns_rank0_metric(tmp_path) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -12,9 +14,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from app.cluster_env import detect
 from app.config import AppError, register_schemas, to_app_config
-from app.launch import launch
 from app.resolvers import register_resolvers
+from app.results import write_result
 
 log = logging.getLogger("app")
 
@@ -31,14 +34,32 @@ warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigSto
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    started = time.monotonic()
+    # One process records how the job ended: the launcher, or rank 0 of a torchrun/SLURM job.
+    rank_env = detect(os.environ)
+    record = rank_env is None or rank_env.rank == 0
     try:
+        # Imported here: it brings torch (seconds), which --help and --cfg do not need.
+        from app.launch import launch
+
         # Convert at the boundary: below here code sees plain, resolved, typed objects.
-        return launch(to_app_config(dict_cfg), run_dir)
-    except AppError as e:
+        result = launch(to_app_config(dict_cfg), run_dir)
+    except BaseException as e:
+        if record:
+            status = "interrupted" if isinstance(e, KeyboardInterrupt) or (
+                isinstance(e, AppError) and e.exit_code > 128) else "failed"  # 128 + signal
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            write_result(run_dir, status, time.monotonic() - started,
+                         f"{type(e).__name__}: {first_line}")
+        if not isinstance(e, AppError):
+            raise
         log.error("%s", e)
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # the sweep records this job as failed
         sys.exit(e.exit_code)
+    if record:
+        write_result(run_dir, "completed", time.monotonic() - started)
+    return result
 
 
 if __name__ == "__main__":

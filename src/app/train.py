@@ -26,6 +26,7 @@ from app.config import AppConfig, AppError, MonitorMode, UserError
 from app.ema import ModelEMA
 from app.evaluate import evaluate
 from app.loggers import MetricLogger
+from app.plots import draw_curves
 from app.runtime import rng_state, seed_everything, set_rng_state
 from app.stop import StopRequest
 from app.train_step import TrainStep
@@ -243,5 +244,6 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         bar.close()
     if logger is not None:
         logger.close()
+        draw_curves(run_dir)
     log.info("done: step %d, best %s %s", step, t.monitor, best)
     return best

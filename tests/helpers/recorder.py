@@ -14,6 +14,7 @@ class Recorder(Callback):
 
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps({"overrides": list(job_return.overrides),
+            f.write(json.dumps({"num": int(config.hydra.job.num),
+                                "overrides": list(job_return.overrides),
                                 "status": job_return.status.name,
                                 "value": job_return._return_value}) + "\n")

@@ -1,0 +1,40 @@
+"""`python -m app.report PATH`: redraw the pictures and print the table of a run or a sweep
+directory, finished, failed or still running."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from app.plots import draw_curves
+from app.results import run_summary
+from app.summary import markdown, write_summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.report", description=__doc__)
+    parser.add_argument("path", type=Path, help="a run directory or a sweep directory")
+    path = parser.parse_args(argv).path
+    if (path / "metrics.csv").is_file():
+        curves = draw_curves(path)
+        summary = run_summary(path)
+        print(f"run {path}: {summary['status']}, {summary['steps']} steps, best "
+              f"{summary['monitor']} {summary['best']}, final {summary['final']}")
+        print(f"curves: {curves}")
+        return 0
+    if any(path.glob("*/.hydra/overrides.yaml")):
+        jobs = write_summary(path)
+        for job in jobs:
+            if job["status"] != "no result":
+                draw_curves(Path(job["run_dir"]))
+        print(markdown(jobs))
+        print(f"\n{path / 'summary.csv'}, {path / 'summary.md'}, {path / 'summary.png'}")
+        return 0
+    print(f"error: {path} is neither a run directory (metrics.csv) nor a sweep directory "
+          f"(job folders with .hydra/)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Sweep summaries and pictures: summary.csv/.md/.png, curves.png, `python -m app.report`."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+from conftest import REPO, TINY, multirun, read_metrics
+
+
+def _summary(sweep) -> list[dict[str, str]]:
+    with open(sweep / "summary.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_grid_sweep_summary_agrees_with_each_job(tmp_path) -> None:
+    proc, _ = multirun(tmp_path, "optimizer.lr=0.01,0.003", "model.dropout=0,0.3", *TINY,
+                       "trainer.max_epochs=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweep = tmp_path / "sweep"
+    rows = _summary(sweep)
+    assert len(rows) == 4
+    bests = [float(r["best"]) for r in rows]
+    assert bests == sorted(bests, reverse=True)  # val/acc: best first
+    for row in rows:
+        val = [float(r["acc"]) for r in read_metrics(sweep / row["job"]) if r["split"] == "val"]
+        assert float(row["best"]) == max(val) and float(row["final"]) == val[-1]
+        assert row["status"] == "completed" and int(row["steps"]) == 22
+        assert "optimizer.lr=" in row["overrides"] and "model.dropout=" in row["overrides"]
+        assert (sweep / row["job"] / "plots" / "curves.png").stat().st_size > 10_000
+    assert "| job | overrides | status |" in (sweep / "summary.md").read_text()
+    assert "| job | overrides | status |" in proc.stdout + proc.stderr  # printed at the end
+    assert (sweep / "summary.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_failed_job_is_listed_with_its_error(tmp_path) -> None:
+    proc, _ = multirun(tmp_path, "model._target_=faults.FaultyCNN", "+model.fault=none,raise",
+                       "+model.fault_rank=0", *TINY, "trainer.max_epochs=1")
+    assert proc.returncode != 0
+    rows = {r["overrides"].split("+model.fault=")[1].split()[0]: r
+            for r in _summary(tmp_path / "sweep")}
+    assert rows["none"]["status"] == "completed" and rows["none"]["best"]
+    assert rows["raise"]["status"] == "failed"
+    assert rows["raise"]["error"] == "RuntimeError: injected fault"
+
+
+def test_report_redraws_a_run_and_a_sweep(tmp_path, trained) -> None:
+    (trained / "plots" / "curves.png").unlink()
+    run = subprocess.run([sys.executable, "-m", "app.report", str(trained)], cwd=REPO,
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and "completed, 88 steps" in run.stdout
+    assert (trained / "plots" / "curves.png").is_file()
+    proc, _ = multirun(tmp_path, "optimizer.lr=0.01,0.003", *TINY, "trainer.max_epochs=1")
+    sweep = tmp_path / "sweep"
+    (sweep / "summary.csv").unlink()
+    report = subprocess.run([sys.executable, "-m", "app.report", str(sweep)], cwd=REPO,
+                            capture_output=True, text=True)
+    assert report.returncode == 0 and report.stdout.count("| completed |") == 2
+    assert len(_summary(sweep)) == 2
+    missing = subprocess.run([sys.executable, "-m", "app.report", str(tmp_path / "nope")],
+                             cwd=REPO, capture_output=True, text=True)
+    assert missing.returncode == 2 and "neither a run directory" in missing.stderr
