@@ -14,7 +14,7 @@ from conftest import CONF_DIR, make_config
 GROUPS = {
     group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
     for group in ("trainer", "model", "data", "optimizer", "scheduler", "distributed",
-                  "logger", "debug")
+                  "logger", "debug", "launcher", "hparams_search")
 }
 
 

@@ -5,6 +5,7 @@ loading and the detail view."""
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 
 import pytest
@@ -56,15 +57,20 @@ def test_fp16_mixed_on_cpu_is_a_clear_error(tmp_path) -> None:
 
 def test_ema_ramps_up_and_follows_the_model() -> None:
     model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
     ema = ModelEMA(model, decay=0.9, warmup_steps=10)
     with torch.no_grad():
         model.weight.fill_(1.0)
-    ema.update(model)  # first decay is 0.9 * (1 - e^-0.1) ~ 0.086: mostly the new weights
-    assert torch.allclose(ema.module.weight, torch.ones_like(model.weight), atol=0.1)
+    ema.update(model)  # first decay: 0.9 * (1 - e^-0.1) ~ 0.086, mostly the new weights
+    d = 0.9 * (1 - math.exp(-0.1))
+    assert ema.module.weight.flatten().tolist() == pytest.approx([1 - d, 1 - d])
+    ema.update(model)  # the second decay is larger; the weights keep approaching 1
+    assert 1 - d < ema.module.weight[0, 0].item() < 1
     state = ema.state_dict()
     other = ModelEMA(nn.Linear(2, 1), decay=0.9, warmup_steps=10)
     other.load_state_dict(state)
-    assert other.updates == 1 and torch.equal(other.module.weight, ema.module.weight)
+    assert other.updates == 2 and torch.equal(other.module.weight, ema.module.weight)
 
 
 def test_ema_validates_is_checkpointed_and_is_what_eval_uses(tmp_path) -> None:

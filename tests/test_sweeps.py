@@ -61,3 +61,45 @@ def test_report_redraws_a_run_and_a_sweep(tmp_path, trained) -> None:
     missing = subprocess.run([sys.executable, "-m", "app.report", str(tmp_path / "nope")],
                              cwd=REPO, capture_output=True, text=True)
     assert missing.returncode == 2 and "neither a run directory" in missing.stderr
+
+
+def test_optuna_search_runs_trials_and_reports_the_best(tmp_path) -> None:
+    not_width = [t for t in TINY if not t.startswith("model.")]  # the width is searched
+    proc, jobs = multirun(tmp_path, "hparams_search=digits_optuna", "hydra.sweeper.n_trials=3",
+                          *not_width, "trainer.max_epochs=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from omegaconf import OmegaConf
+
+    result = OmegaConf.load(tmp_path / "sweep" / "optimization_results.yaml")
+    values = [j["value"] for j in jobs]
+    assert len(values) == 3 and result.best_value == max(values)
+    assert set(result.best_params) == {"optimizer.lr", "model.channels"}
+    assert "Best value" in proc.stdout + proc.stderr
+
+
+def test_rerun_sweep_skips_finished_jobs_and_resumes_the_rest(tmp_path) -> None:
+    import os
+    import signal
+    import time
+
+    args = ["optimizer.lr=0.01,0.003", *TINY, "trainer.max_epochs=12",
+            "trainer.ckpt_every_n_epochs=1"]
+    sweep = tmp_path / "sweep"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "app", "-m", *args, f"hydra.sweep.dir={sweep}"], cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    checkpoint = sweep / "1" / "checkpoints" / "last.pt"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not checkpoint.is_file():
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)  # the whole sweep dies while job 1 trains
+    first.wait()
+    assert (sweep / "0" / "result.json").is_file() and not (sweep / "1" / "result.json").exists()
+
+    proc, jobs = multirun(tmp_path, *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logs = [(sweep / str(n) / "train.log").read_text() for n in (0, 1)]
+    assert "already finished at step 264: nothing to train" in logs[0]
+    assert "resumed from" in logs[1] and "done: step 264" in logs[1]
+    rows = _summary(sweep)
+    assert len(rows) == 2 and {r["status"] for r in rows} == {"completed"}

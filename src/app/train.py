@@ -108,6 +108,10 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                            t.grad_clip_norm, ema)
     eval_model = ema.module if ema is not None else model  # EMA weights validate when enabled
 
+    def finished() -> bool:
+        return (t.max_steps is not None and step >= t.max_steps) or (
+            t.max_epochs is not None and epoch >= t.max_epochs)
+
     # Resume (everything, exactly) or load weights only (a new schedule), or start fresh.
     step = epoch = batch_in_epoch = 0
     best: float | None = None
@@ -126,6 +130,8 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
             log.warning("checkpoint has random states of %d ranks, this run has %d: the run "
                         "continues, but not bit-identically", len(state["rng"]), world_size)
         log.info("resumed from %s at step %d (epoch %d)", resume_from, step, epoch)
+        if finished():  # a finished job run again (a re-run sweep): nothing to train
+            log.info("already finished at step %d: nothing to train", step)
     elif cfg.ckpt is not None:
         checkpoint.load_model_weights(model, checkpoint.load(cfg.ckpt), cfg.ckpt,
                                       strict=cfg.ckpt_strict)
@@ -145,10 +151,6 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         from tqdm import tqdm
 
         bar = tqdm(total=int(total_steps), initial=step, unit="step", dynamic_ncols=True)
-
-    def finished() -> bool:
-        return (t.max_steps is not None and step >= t.max_steps) or (
-            t.max_epochs is not None and epoch >= t.max_epochs)
 
     def save(val_metrics: dict[str, float] | None, is_best: bool) -> None:
         rng = dist.all_gather_object(rng_state())  # every rank's, for an exact resume
