@@ -85,3 +85,14 @@ def test_device_counts() -> None:
     too_many = device_count("cuda") + 1
     with pytest.raises(UserError, match=f"devices={too_many}"):
         resolve_devices(too_many, "cuda")
+
+
+def test_local_jobs_get_disjoint_device_slices() -> None:
+    from hydra_plugins.app_submitit.launcher import device_slice
+
+    ids = ["0", "1", "2", "3", "4", "5", "6", "7"]
+    assert [device_slice(n, 2, ids) for n in range(5)] == [
+        ["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"], ["0", "1"]]  # job 4 shares with job 0
+    assert device_slice(3, 1, ["4", "6"]) == ["6"]  # respects CUDA_VISIBLE_DEVICES
+    assert device_slice(0, 8, ids) is None and device_slice(0, "auto", ids) is None
+    assert device_slice(0, 1, ["0"]) is None

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import csv
+import os
+import signal
 import subprocess
 import sys
+import time
 
-from conftest import REPO, TINY, multirun, read_metrics
+import pytest
+from omegaconf import OmegaConf
+
+from app.config import UserError
+from app.loggers import MLflowLogger
+from conftest import REPO, TINY, assert_ok, multirun, read_metrics, run_app
 
 
 def _summary(sweep) -> list[dict[str, str]]:
@@ -68,8 +76,6 @@ def test_optuna_search_runs_trials_and_reports_the_best(tmp_path) -> None:
     proc, jobs = multirun(tmp_path, "hparams_search=digits_optuna", "hydra.sweeper.n_trials=3",
                           *not_width, "trainer.max_epochs=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from omegaconf import OmegaConf
-
     result = OmegaConf.load(tmp_path / "sweep" / "optimization_results.yaml")
     values = [j["value"] for j in jobs]
     assert len(values) == 3 and result.best_value == max(values)
@@ -78,10 +84,6 @@ def test_optuna_search_runs_trials_and_reports_the_best(tmp_path) -> None:
 
 
 def test_rerun_sweep_skips_finished_jobs_and_resumes_the_rest(tmp_path) -> None:
-    import os
-    import signal
-    import time
-
     args = ["optimizer.lr=0.01,0.003", *TINY, "trainer.max_epochs=12",
             "trainer.ckpt_every_n_epochs=1"]
     sweep = tmp_path / "sweep"
@@ -103,3 +105,24 @@ def test_rerun_sweep_skips_finished_jobs_and_resumes_the_rest(tmp_path) -> None:
     assert "resumed from" in logs[1] and "done: step 264" in logs[1]
     rows = _summary(sweep)
     assert len(rows) == 2 and {r["status"] for r in rows} == {"completed"}
+
+
+def test_mlflow_and_tensorboard_together(tmp_path) -> None:
+    from mlflow.tracking import MlflowClient  # an optional extra (installed by make install)
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = assert_ok(run_app(tmp_path / "run", *TINY, "trainer.max_epochs=1", "logger=mlflow",
+                            "logger.tensorboard=true", f"logger.mlflow_uri={uri}")).run_dir
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    run_id = (run / ".mlflow_run_id").read_text().strip()
+    client = MlflowClient(uri)
+    history = client.get_metric_history(run_id, "train/loss")
+    losses = [float(r["loss"]) for r in read_metrics(run) if r["split"] == "train"]
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == losses
+    assert "config.yaml" in [a.path for a in client.list_artifacts(run_id)]
+
+
+def test_mlflow_missing_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if it were not installed
+    with pytest.raises(UserError, match="pip install mlflow-skinny"):
+        MLflowLogger(tmp_path, "sqlite:///x.db", "app")

@@ -85,6 +85,9 @@ class DistributedConfig:
 @dataclass
 class LoggerConfig:
     tensorboard: bool = False
+    mlflow: bool = False
+    mlflow_uri: str = "sqlite:///outputs/mlflow.db"
+    mlflow_experiment: str = "app"
 
 
 @dataclass

@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from app.config import LoggerConfig, UserError
+
 log = logging.getLogger(__name__)
 
 KEY_COLUMNS = ["step", "epoch", "split"]
@@ -49,26 +51,67 @@ class CSVLogger:
             csv.DictWriter(f, fieldnames=self.columns).writerow(row)
 
 
+class MLflowLogger:
+    """One MLflow run per run directory (a resumed run continues it), in a local store."""
+
+    def __init__(self, run_dir: Path, uri: str, experiment: str) -> None:
+        try:
+            # Imported here: an optional extra, and about a second to import.
+            import mlflow
+        except ImportError as e:
+            raise UserError("logger.mlflow=true needs MLflow: pip install mlflow-skinny "
+                            "(or pip install -e '.[mlflow]')") from e
+        self.mlflow = mlflow
+        if uri.startswith("sqlite:///"):  # SQLite creates the file, not its folder
+            Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(experiment)
+        id_file = run_dir / ".mlflow_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else None
+        self.run = mlflow.start_run(run_id=run_id, run_name=f"{run_dir.parent.name}/"
+                                    f"{run_dir.name}", tags={"run_dir": str(run_dir)})
+        id_file.write_text(self.run.info.run_id + "\n")
+
+    def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        self.mlflow.log_metrics({f"{split}/{k}": v for k, v in metrics.items()}, step=step)
+
+    def log_text(self, tag: str, text: str) -> None:
+        self.mlflow.log_text(text, f"{tag}.yaml")
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
 class MetricLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None) -> None:
+    """The metric sinks of rank 0; several can be active at once (csv is always)."""
+
+    def __init__(self, run_dir: Path, config: LoggerConfig, resume_step: int | None) -> None:
         self.csv = CSVLogger(run_dir / "metrics.csv", resume_step)
         self.tb = None
-        if tensorboard:
+        if config.tensorboard:
             # Imported here: tensorboard costs about a second to import, paid only when used.
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resume_step)
+        self.mlflow = MLflowLogger(run_dir, config.mlflow_uri, config.mlflow_experiment) \
+            if config.mlflow else None
 
     def log(self, step: int, epoch: int, split: str, metrics: dict[str, float]) -> None:
         self.csv.log(step, epoch, split, metrics)
         if self.tb is not None:
             for name, value in metrics.items():
                 self.tb.add_scalar(f"{split}/{name}", value, step)
+        if self.mlflow is not None:
+            self.mlflow.log(step, split, metrics)
 
     def log_text(self, tag: str, text: str) -> None:
         if self.tb is not None:
             self.tb.add_text(tag, f"```\n{text}\n```")
+        if self.mlflow is not None:
+            self.mlflow.log_text(tag, text)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.mlflow is not None:
+            self.mlflow.close()

@@ -140,7 +140,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         log.info("loaded weights from %s; training starts a new schedule", cfg.ckpt)
 
     ckpt_dir = run_dir / "checkpoints"
-    logger = MetricLogger(run_dir, cfg.logger.tensorboard, step if resume_from else None) \
+    logger = MetricLogger(run_dir, cfg.logger, step if resume_from else None) \
         if dist.is_main() else None
     if logger is not None:
         logger.log_text("config", OmegaConf.to_yaml(OmegaConf.structured(cfg)))

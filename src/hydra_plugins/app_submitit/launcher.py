@@ -46,6 +46,15 @@ class _SacctOnce(logging.Filter):
         return True
 
 
+def device_slice(job_num: int, devices: int | str, ids: list[str]) -> list[str] | None:
+    """The devices of local job `job_num`: slot job_num mod (len(ids) // devices). More jobs
+    than slots share slots round-robin. None when there is nothing to split."""
+    if devices == "auto" or len(ids) < 2 or devices >= len(ids):
+        return None
+    slot = job_num % (len(ids) // devices)
+    return ids[slot * devices:(slot + 1) * devices]
+
+
 class JobFailed(CompactHydraException):
     """A submitted job that raised; the message says where and why (Hydra prints only it)."""
 
@@ -91,11 +100,33 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         try:
             cfg = to_app_config(config)
             self._check_allocation(cfg.devices, cfg.nodes)
+            self._share_devices(config, cfg, job_num)
         except AppError as e:
             log.error("job #%d (%s): %s; nothing was submitted", job_num,
                       " ".join(filter_overrides(overrides)), e)
             sys.exit(2)
         return config
+
+    def _share_devices(self, config: DictConfig, cfg: Any, job_num: int) -> None:
+        """Local jobs run side by side: give each its own slice of this machine's GPUs."""
+        if self._EXECUTOR != "local":
+            return
+        import os
+
+        import torch
+
+        from app.runtime import resolve_accelerator
+
+        if resolve_accelerator(cfg.accelerator, cfg.accelerator_strict) != "cuda":
+            return
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(
+            torch.cuda.device_count())]
+        own = device_slice(job_num, cfg.devices, ids)
+        if own is not None:
+            with open_dict(config.hydra.job):
+                config.hydra.job.env_set.CUDA_VISIBLE_DEVICES = ",".join(own)
+            log.info("job #%d: CUDA_VISIBLE_DEVICES=%s", job_num, ",".join(own))
 
     def _check_allocation(self, devices: int | str, nodes: int) -> None:
         """One allocation serves every job of a sweep: it must fit each job's topology."""
