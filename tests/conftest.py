@@ -96,6 +96,19 @@ def multirun(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, li
     return proc, sorted(jobs, key=lambda j: j["num"])  # parallel jobs end in any order
 
 
+def check_summary(sweep: Path, num_jobs: int) -> list[dict[str, str]]:
+    """The sweep's summary files exist and each row agrees with that job's metrics.csv."""
+    with open(sweep / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == num_jobs
+    for row in rows:
+        val = [float(r["acc"]) for r in read_metrics(sweep / row["job"]) if r["split"] == "val"]
+        assert float(row["best"]) == max(val) and float(row["final"]) == val[-1]
+    assert (sweep / "summary.md").is_file()
+    assert (sweep / "summary.png").read_bytes()[:4] == b"\x89PNG"
+    return rows
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tiny training run, shared by the tests that need a checkpoint."""

@@ -12,6 +12,7 @@ from conftest import (
     TINY,
     assert_ok,
     assert_same_weights,
+    check_summary,
     load_state,
     multirun,
     read_metrics,
@@ -110,6 +111,7 @@ def test_submitit_local_jobs_spawn_their_workers(tmp_path) -> None:
         assert (run_dir / "logs" / "rank1.log").is_file()
         best = max(float(r["acc"]) for r in read_metrics(run_dir) if r["split"] == "val")
         assert job["value"] == best
+    check_summary(tmp_path / "sweep", 2)
 
 
 def test_submitit_local_failure_is_reported(tmp_path) -> None:

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HELPERS, REPO, TINY, assert_same_weights, load_state, read_metrics
+from conftest import (
+    HELPERS,
+    REPO,
+    TINY,
+    assert_same_weights,
+    check_summary,
+    load_state,
+    read_metrics,
+)
 
 # Small resources: the emulated nodes share this machine's cores.
 SLURM = ["launcher=slurm", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1"]
@@ -127,6 +135,7 @@ def test_sweep_is_a_job_array_and_returns_both_results(tmp_path) -> None:
     for num, job in enumerate(jobs):
         best = max(float(r["acc"]) for r in read_metrics(sweep / str(num)) if r["split"] == "val")
         assert job["status"] == "COMPLETED" and job["value"] == best
+    check_summary(sweep, 2)
 
 
 def test_preempted_job_requeues_and_finishes_bit_identical(tmp_path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -51,12 +52,23 @@ def main(dict_cfg: DictConfig) -> float | None:
             first_line = (str(e).strip().splitlines() or [""])[0]
             write_result(run_dir, status, time.monotonic() - started,
                          f"{type(e).__name__}: {first_line}")
+        interrupted = isinstance(e, AppError) and e.exit_code > 128
+        if HydraConfig.get().mode == RunMode.MULTIRUN and rank_env is None and \
+                isinstance(e, Exception) and not interrupted:
+            # A failed job of a sweep is a row of its summary, not the end of the sweep: the
+            # other jobs still run, and the sweep's end reports the failures (app.summary).
+            # NaN is what sweepers such as Optuna take for a failed trial.
+            if isinstance(e, AppError):
+                log.error("%s", e)
+            else:
+                log.exception("the job failed")
+            return math.nan
         if not isinstance(e, AppError):
             raise
         log.error("%s", e)
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
-            raise  # the sweep records this job as failed
-        sys.exit(e.exit_code)
+        if HydraConfig.get().mode == RunMode.MULTIRUN and not interrupted:
+            raise  # a rank of a SLURM/torchrun job: its task must fail
+        sys.exit(e.exit_code)  # a signal stops a whole sweep too; a re-run resumes it
     if record:
         write_result(run_dir, "completed", time.monotonic() - started)
     return result

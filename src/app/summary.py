@@ -11,6 +11,7 @@ import csv
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,9 @@ class SweepSummary(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         jobs = write_summary(sweep_dir)
         log.info("sweep summary (%s):\n%s", sweep_dir / "summary.md", markdown(jobs))
+        failed = [j for j in jobs if j["status"] != "completed"]
+        for job in failed:
+            log.error("job #%s %s: %s (%s)", job["job"], job["status"], job["error"] or "",
+                      job["run_dir"])
+        if failed:
+            sys.exit(1)  # the sweep ran to its end, but not every job completed

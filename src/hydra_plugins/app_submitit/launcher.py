@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +22,6 @@ from typing import Any
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
-from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
@@ -53,10 +53,6 @@ def device_slice(job_num: int, devices: int | str, ids: list[str]) -> list[str] 
         return None
     slot = job_num % (len(ids) // devices)
     return ids[slot * devices:(slot + 1) * devices]
-
-
-class JobFailed(CompactHydraException):
-    """A submitted job that raised; the message says where and why (Hydra prints only it)."""
 
 
 def _root_cause(job: Any) -> tuple[int, str, str]:
@@ -201,8 +197,10 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
             message = (f"job #{num} ({self._EXECUTOR} job {job.job_id}) failed in task "
                        f"{task}: {line} (log: {task_log})")
             log.error("%s", message)
-            return JobReturn(overrides=overrides, status=JobStatus.FAILED,
-                             _return_value=JobFailed(message),
+            # Reported here and in the sweep's summary (app.summary ends the command non-zero);
+            # the sweep itself goes on, and NaN is what sweepers take for a failed trial.
+            return JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
+                             _return_value=math.nan,
                              working_dir=str(Path(str(self.composed[num].hydra.sweep.dir),
                                                   str(self.composed[num].hydra.sweep.subdir))))
 
