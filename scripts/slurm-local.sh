@@ -66,13 +66,22 @@ EOF
   grep -qE '^127\.0\.0\.1[[:space:]].*\bnode1\b' /etc/hosts || echo "127.0.0.1 node1 node2" >> /etc/hosts
 }
 
+# Liveness by function, not by process name: a killed daemon can linger as a zombie that
+# pgrep still lists.
+munge_works() { munge -n </dev/null >/dev/null 2>&1; }
+controller_up() { timeout 10 scontrol ping 2>/dev/null | grep -q "is UP"; }
+
 start_munge() {
-  if ! pgrep -x munged >/dev/null; then
+  if ! munge_works; then
+    rm -f /run/munge/munged.pid /run/munge/munge.socket.2 /run/munge/munge.socket.2.lock
     [ -s /etc/munge/munge.key ] || mungekey --create --force
     chown munge:munge /etc/munge/munge.key && chmod 600 /etc/munge/munge.key
     mkdir -p /run/munge /var/log/munge /var/lib/munge
     chown munge:munge /run/munge /var/log/munge /var/lib/munge
     runuser -u munge -- /usr/sbin/munged
+    for _ in $(seq 20); do munge_works && return 0; sleep 0.5; done
+    echo "slurm-local: munged did not start; see /var/log/munge/munged.log" >&2
+    exit 1
   fi
 }
 
@@ -81,15 +90,15 @@ up() {
   install_packages
   write_config
   start_munge
-  pgrep -x slurmctld >/dev/null || slurmctld
+  controller_up || { rm -f /run/slurmctld.pid; slurmctld; }
   for node in "${NODES[@]}"; do
     pgrep -f "slurmd -N $node" >/dev/null || slurmd -N "$node"
   done
   for _ in $(seq 60); do
-    if [ "$(sinfo -h -o '%t' 2>/dev/null | sort -u | tr -d '\n')" = "idle" ]; then
+    if [ "$(timeout 10 sinfo -h -o '%t' 2>/dev/null | sort -u | tr -d '\n')" = "idle" ]; then
       echo "slurm-local: up"; sinfo; return 0
     fi
-    scontrol update nodename=node[1-2] state=resume >/dev/null 2>&1 || true
+    timeout 10 scontrol update nodename=node[1-2] state=resume >/dev/null 2>&1 || true
     sleep 1
   done
   echo "slurm-local: nodes did not become idle:" >&2
