@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,16 @@ def multirun(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, li
     jobs = [json.loads(line) for line in record.read_text().splitlines()] \
         if record.is_file() else []
     return proc, sorted(jobs, key=lambda j: j["num"])  # parallel jobs end in any order
+
+
+def wait_for_rows(run_dir: Path, rows: int, timeout: float = 120) -> None:
+    """Wait until a run being trained has logged more than `rows` lines of metrics.csv."""
+    metrics = run_dir / "metrics.csv"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) > rows:
+            return
+        time.sleep(0.05)
 
 
 def check_summary(sweep: Path, num_jobs: int) -> list[dict[str, str]]:

@@ -21,6 +21,7 @@ from conftest import (
     load_state,
     read_metrics,
     run_app,
+    wait_for_rows,
 )
 
 FAULTY = [*TINY, "devices=2", "model._target_=faults.FaultyCNN", "distributed.timeout_s=5"]
@@ -78,12 +79,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_is_exact(tmp_path) -> No
     overrides = [*TINY, "devices=2", "trainer.max_epochs=12", "trainer.ckpt_every_n_epochs=null"]
     run_dir = tmp_path / "interrupted"
     proc = _start(run_dir, *overrides)
-    metrics = run_dir / "metrics.csv"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) > 30:
-            break
-        time.sleep(0.05)
+    wait_for_rows(run_dir, 30)
     proc.send_signal(signal.SIGTERM)
     started = time.monotonic()
     output, _ = proc.communicate(timeout=60)
@@ -111,11 +107,7 @@ def test_ctrl_c_stops_every_process_with_a_checkpoint(tmp_path) -> None:
          "trainer.max_epochs=50"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)  # its own process group, as a terminal's foreground job
-    metrics = run_dir / "metrics.csv"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (
-            metrics.is_file() and len(metrics.read_text().splitlines()) > 10):
-        time.sleep(0.05)
+    wait_for_rows(run_dir, 10)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]

@@ -7,11 +7,19 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import REPO, TINY, assert_ok, assert_same_weights, load_state, read_metrics, run_app
+from conftest import (
+    REPO,
+    TINY,
+    assert_ok,
+    assert_same_weights,
+    load_state,
+    read_metrics,
+    run_app,
+    wait_for_rows,
+)
 
 # 22 steps per epoch; a checkpoint every 10 steps and at each epoch end, none deleted.
 RESUMABLE = [*TINY, "trainer.ckpt_every_n_steps=10", "trainer.keep_last=100"]
@@ -75,12 +83,7 @@ def test_sigterm_saves_then_resume_auto_finishes_exactly(tmp_path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *overrides],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = run_dir / "metrics.csv"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) > 40:
-            break
-        time.sleep(0.05)
+    wait_for_rows(run_dir, 40)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
