@@ -19,6 +19,7 @@ from app.cluster_env import detect
 from app.config import AppError, register_schemas, to_app_config
 from app.resolvers import register_resolvers
 from app.results import write_result
+from app.spawn import prestart
 
 log = logging.getLogger("app")
 
@@ -40,11 +41,13 @@ def main(dict_cfg: DictConfig) -> float | None:
     rank_env = detect(os.environ)
     record = rank_env is None or rank_env.rank == 0
     try:
+        # Convert at the boundary: below here code sees plain, resolved, typed objects.
+        cfg = to_app_config(dict_cfg)
+        prestart(cfg)  # a worker server imports torch while this process does the same
         # Imported here: it brings torch (seconds), which --help and --cfg do not need.
         from app.launch import launch
 
-        # Convert at the boundary: below here code sees plain, resolved, typed objects.
-        result = launch(to_app_config(dict_cfg), run_dir)
+        result = launch(cfg, run_dir)
     except BaseException as e:
         if record:
             status = "interrupted" if isinstance(e, KeyboardInterrupt) or (

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from app.config import UserError
+from app.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +34,19 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save(state: dict[str, Any], path: Path) -> None:
-    """Write `state` to `path` atomically: temporary file, flush, fsync, rename."""
+    """Write `state` to `path` atomically: temporary file, flush, fsync, rename. On failure
+    (a full or read-only disk) the temporary file is removed and the error raised."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -62,10 +67,13 @@ def periodic_name(step: int) -> str:
 
 
 def prune(directory: Path, keep: int) -> None:
-    """Delete all but the newest `keep` periodic checkpoints (last.pt and best.pt stay)."""
+    """Delete all but the newest `keep` periodic checkpoints (last.pt and best.pt stay), and
+    temporary files that a crash left behind."""
     periodic = sorted(directory.glob("step-*.pt"))
     for old in periodic[: max(0, len(periodic) - keep)]:
         old.unlink()
+    for stale in directory.glob(".*.tmp"):
+        stale.unlink(missing_ok=True)
 
 
 def load(path: str | Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from app.config import UserError
+from app.errors import UserError
 
 DEFAULT_PORT = 29500
 

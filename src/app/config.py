@@ -15,17 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf, open_dict, read_write
 
-
-class AppError(Exception):
-    """An expected failure, reported as one line without a traceback."""
-
-    exit_code = 1
-
-
-class UserError(AppError, ValueError):
-    """A mistake in what the user asked for: a bad value, a missing file."""
-
-    exit_code = 2
+from app.errors import AppError, UserError  # noqa: F401 (the config's errors, re-exported)
 
 
 class Mode(str, Enum):
@@ -51,6 +41,7 @@ class TrainerConfig:
     ckpt_every_n_epochs: int | None = 1
     ckpt_every_n_steps: int | None = None
     keep_last: int = 3
+    async_checkpoint: bool = True
     monitor: str = "val/acc"
     monitor_mode: MonitorMode = MonitorMode.max
     progress_bar: bool | None = None
@@ -69,7 +60,7 @@ class TrainerConfig:
 class DistributedConfig:
     backend: str = "auto"
     timeout_s: float = 1800.0
-    start_method: str = "spawn"
+    start_method: str = "forkserver"
     set_device_rank: bool = True
     kill_grace_s: float = 5.0
     horovod: bool = False

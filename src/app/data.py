@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from app.config import UserError
+from app.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from app.config import LoggerConfig, UserError
+from app.config import LoggerConfig
+from app.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import math
 
 from torch import Tensor, nn
 
-from app.config import UserError
+from app.errors import UserError
 
 
 class CNN(nn.Module):

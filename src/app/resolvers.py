@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from app.config import UserError
+from app.errors import UserError
 from app.run_name import run_name
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.config import UserError
+from app.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from app.config import UserError
+from app.errors import UserError
 
 
 class _Constant:

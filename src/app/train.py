@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from app import checkpoint, dist
+from app.async_save import CheckpointWriter
 from app.build import (
     build_data,
     build_model,
@@ -152,13 +153,17 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
 
         bar = tqdm(total=int(total_steps), initial=step, unit="step", dynamic_ncols=True)
 
-    def save(val_metrics: dict[str, float] | None, is_best: bool) -> None:
+    writer = CheckpointWriter(background=t.async_checkpoint)
+
+    def save(val_metrics: dict[str, float] | None, is_best: bool, last: bool) -> None:
         rng = dist.all_gather_object(rng_state())  # every rank's, for an exact resume
         if dist.is_main():
             write_checkpoint(rng, val_metrics, is_best)
-        # No rank runs ahead (or exits, on a stop) while rank 0 still writes: under SLURM a task
-        # that exits early gets its peers killed, rank 0 and its half-written file included.
-        dist.barrier()
+        if last:
+            writer.wait()
+            # No rank exits while rank 0 still writes: under SLURM a task that exits early gets
+            # its peers killed, rank 0 and its half-written file included.
+            dist.barrier()
 
     def write_checkpoint(rng: list, val_metrics: dict[str, float] | None, is_best: bool) -> None:
         state = {
@@ -174,11 +179,15 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
             "config": config_record,
         }
         path = ckpt_dir / checkpoint.periodic_name(step)
-        checkpoint.save(state, path)
-        checkpoint.link(path, ckpt_dir / "last.pt")
-        if is_best:
-            checkpoint.link(path, ckpt_dir / "best.pt")
-        checkpoint.prune(ckpt_dir, t.keep_last)
+
+        def name_and_prune() -> None:
+            checkpoint.link(path, ckpt_dir / "last.pt")
+            if is_best:
+                checkpoint.link(path, ckpt_dir / "best.pt")
+            checkpoint.prune(ckpt_dir, t.keep_last)
+
+        blocked = writer.save(state, path, then=name_and_prune)
+        log.debug("checkpoint %s: the loop waited %.3f s", path.name, blocked)
 
     log.info(
         "training %s on %s x %d: %d steps/epoch, %d steps, %d train / %d val samples",
@@ -233,7 +242,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                 stopping = stop.should_stop()
                 if done or stopping or is_best or _every(t.ckpt_every_n_steps, step) or (
                         epoch_end and _every(t.ckpt_every_n_epochs, epoch)):
-                    save(val_metrics, is_best)
+                    save(val_metrics, is_best, last=done or stopping)
                 if stopping:
                     stop.requeue()  # when a job system asked for it (submitit on SLURM)
                     raise Interrupted(

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.config import UserError
 from app.ema import ModelEMA
+from app.errors import UserError
 
 
 def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

@@ -1,0 +1,88 @@
+"""The baseline: a plain PyTorch training loop, as one writes it without a trainer.
+
+It uses the app's model and data classes (the same modules, so the same work per step) and
+reproduces what the app's default run does around them, with nothing more: the seeding order,
+a seeded shuffle per epoch, AdamW without weight decay on 1-d parameters, the app's warm-up +
+cosine schedule, dropout seeded after the model is built. Its losses therefore equal the app's
+bit for bit, which the benchmark checks. No logging, validation or checkpoints.
+
+    python bench/plain_loop.py --model cnn --steps 300 --losses losses.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from app.data import Digits, Synthetic
+from app.models import CNN, MLP
+from app.schedulers import warmup_cosine
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+    p.add_argument("--channels", type=json.loads, default=[32, 64])
+    p.add_argument("--hidden", type=json.loads, default=[256, 256])
+    p.add_argument("--data", choices=["digits", "synthetic"], default="digits")
+    p.add_argument("--num-samples", type=int, default=4096)
+    p.add_argument("--input-shape", type=json.loads, default=[1, 8, 8])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=0.003)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--losses", help="write the loss of every step here (JSON)")
+    args = p.parse_args()
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    data = (Digits(batch_size=args.batch) if args.data == "digits" else
+            Synthetic(num_samples=args.num_samples, input_shape=args.input_shape,
+                      batch_size=args.batch))
+    if args.model == "cnn":
+        model = CNN(data.input_shape, data.num_classes, channels=args.channels)
+    else:
+        model = MLP(data.input_shape, data.num_classes, hidden=args.hidden)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [{"params": [q for q in params if q.ndim > 1]},
+         {"params": [q for q in params if q.ndim <= 1], "weight_decay": 0.0}],
+        lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = warmup_cosine(optimizer, total_steps=args.steps, warmup_steps=args.warmup)
+    torch.manual_seed(args.seed)  # dropout
+
+    losses = []
+    model.train()
+    epoch = 0
+    while len(losses) < args.steps:
+        order = torch.randperm(len(data.train),
+                               generator=torch.Generator().manual_seed(args.seed + epoch))
+        # The loader gets a generator of its own, as in the app: otherwise it draws its
+        # workers' base seed from the global generator, which dropout uses.
+        for x, y in DataLoader(data.train, batch_size=args.batch, sampler=order.tolist(),
+                               drop_last=True, generator=torch.Generator()):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            losses.append(loss.detach())
+            if len(losses) == args.steps:
+                break
+        epoch += 1
+    if args.losses:
+        with open(args.losses, "w") as f:
+            json.dump([loss.item() for loss in losses], f)
+
+
+if __name__ == "__main__":
+    main()

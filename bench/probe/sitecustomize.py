@@ -1,0 +1,53 @@
+"""Step-time probe for the benchmarks, loaded by every Python process whose PYTHONPATH has
+this folder (so also by launcher workers and forkserver children).
+
+With APP_PROBE_DIR set, it registers torch's global optimizer-step post hook as soon as
+`torch.optim.optimizer` is imported (never importing torch itself, which would move the
+start-up being measured), and records the wall time of each optimizer step's end. The
+records go to APP_PROBE_DIR/<rank>-<pid>.json after the first step and after APP_PROBE_STEPS
+steps. The app and the plain loop are measured by this same probe.
+"""
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import time
+
+_DIR = os.environ.get("APP_PROBE_DIR")
+_STEPS = int(os.environ.get("APP_PROBE_STEPS", "0"))
+_times: list[float] = []
+
+
+def _dump() -> None:
+    rank = os.environ.get("RANK", "0")
+    with open(os.path.join(_DIR, f"{rank}-{os.getpid()}.json"), "w") as f:
+        json.dump({"rank": int(rank), "pid": os.getpid(), "times": _times}, f)
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    _times.append(time.time())
+    if len(_times) in (1, _STEPS):
+        _dump()
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "torch.optim.optimizer":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.register_optimizer_step_post_hook(_after_step)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _DIR:
+    os.makedirs(_DIR, exist_ok=True)
+    sys.meta_path.insert(0, _Finder())

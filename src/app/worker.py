@@ -1,0 +1,105 @@
+"""What runs in each process of a job: join the process group, run the mode, leave."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from app import dist
+from app.config import AppConfig, AppError, Mode
+from app.runtime import apply_runtime_flags, backend_for, select_device
+from app.worker_logging import FAILURE_LOGGER, setup_rank_logging
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    url: str
+
+
+def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
+    """Run the mode of `cfg.trainer` in this process; returns the monitored metric."""
+    apply_runtime_flags(cfg, device)
+    if cfg.detail and dist.is_main():
+        log.info("config:\n%s", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    # Each mode's module is imported only when chosen: predict and export pull in extra
+    # libraries (matplotlib, torch.export) that a training run should not pay for.
+    if cfg.trainer.mode == Mode.trainval:
+        from app.train import train as run
+    elif cfg.trainer.mode == Mode.eval:
+        from app.evaluate import run_eval as run
+    elif cfg.trainer.mode == Mode.predict:
+        from app.predict import run_predict as run
+    else:
+        from app.export import run_export as run
+    return run(cfg, run_dir, device)
+
+
+def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank) -> float | None:
+    """Join the process group as `me`, run the mode, leave the group."""
+    # The device is made current before the first collective (NCCL binds to it).
+    device = select_device(kind, me.local_rank, cfg.distributed.set_device_rank)
+    os.environ.update(cfg.distributed.nccl_env)  # opt-in NCCL_* settings, before NCCL starts
+    dist.init(backend_for(kind, cfg.distributed.backend), me.url, me.rank, me.world_size,
+              me.local_rank, me.local_world_size, cfg.distributed.timeout_s)
+    try:
+        return worker(cfg, run_dir, device)
+    finally:
+        dist.destroy()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send SIGTERM to this worker when its parent dies: no orphans."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, kind: str, devices: int,
+                   url: str, report_dir: str) -> None:
+    """The target of each local worker process."""
+    _die_with_parent()
+    me = Rank(cfg.machine_rank * devices + local_rank, devices * cfg.nodes, local_rank,
+              devices, url)
+    # The same variables torchrun sets, for code that reads them.
+    os.environ.update(RANK=str(me.rank), WORLD_SIZE=str(me.world_size),
+                      LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(devices))
+    setup_rank_logging(run_dir, me.rank, keep_handlers=False)
+    log.info("rank %d of %d: pid %d", me.rank, me.world_size, os.getpid())
+    if kind == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))  # share the cores
+    report = Path(report_dir)
+    try:
+        result = run_rank(cfg, run_dir, kind, me)
+    except BaseException as e:
+        failures = logging.getLogger(FAILURE_LOGGER)
+        if isinstance(e, AppError):
+            failures.error("%s", e)
+        else:
+            failures.exception("rank %d failed", me.rank)
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        (report / f"rank{me.rank}.json").write_text(json.dumps(
+            {"rank": me.rank, "time": time.time(), "error": f"{type(e).__name__}: {first_line}"
+             if first_line else type(e).__name__}))
+        sys.exit(e.exit_code if isinstance(e, AppError) else 1)
+    if local_rank == 0:
+        (report / "result.json").write_text(json.dumps({"result": result}))
+
+
