@@ -93,7 +93,7 @@ def test_torchrun_trains_into_one_run_directory(tmp_path) -> None:
     assert (proc.stdout + proc.stderr).count("done: step 11") == 1
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_other_start_methods(method, tmp_path) -> None:
     result = assert_ok(run_app(tmp_path / "run", "devices=2", "debug=fast",
                                "model.channels=[8,16]", f"distributed.start_method={method}"))

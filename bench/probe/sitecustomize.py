@@ -5,7 +5,8 @@ With APP_PROBE_DIR set, it registers torch's global optimizer-step post hook as 
 `torch.optim.optimizer` is imported (never importing torch itself, which would move the
 start-up being measured), and records the wall time of each optimizer step's end. The
 records go to APP_PROBE_DIR/<rank>-<pid>.json after the first step and after APP_PROBE_STEPS
-steps. The app and the plain loop are measured by this same probe.
+steps. With APP_PROBE_EXIT=1 the process ends right after its first step (start-up runs).
+The app and the plain loop are measured by this same probe.
 """
 
 import importlib.abc
@@ -17,6 +18,7 @@ import time
 
 _DIR = os.environ.get("APP_PROBE_DIR")
 _STEPS = int(os.environ.get("APP_PROBE_STEPS", "0"))
+_EXIT = os.environ.get("APP_PROBE_EXIT") == "1"
 _times: list[float] = []
 
 
@@ -30,6 +32,8 @@ def _after_step(optimizer, args, kwargs) -> None:
     _times.append(time.time())
     if len(_times) in (1, _STEPS):
         _dump()
+    if _EXIT:
+        os._exit(0)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

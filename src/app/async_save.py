@@ -1,10 +1,14 @@
-"""Checkpoints written in the background: the loop waits only while the state is copied.
+"""Checkpoints written in the background: the loop waits for little more than nothing.
 
-A save copies every tensor of the state into host buffers (kept and reused from one save to
-the next, page-locked when the tensors are on a GPU), then a thread writes the copy with the
-same atomic `checkpoint.save` (temporary file, fsync, rename): a crash during the write leaves
-the previous checkpoint intact. One write is in flight at a time, so memory stays bounded at
-one copy of the state; a write error is raised on the loop's next save or wait.
+A save gives every tensor of the state a host buffer (kept and reused from one save to the
+next, page-locked for GPU tensors). Tensors that only the optimizer step changes (weights,
+optimizer state, EMA weights: the bulk of a checkpoint) are copied by the writer thread while
+the loop runs the next forward and backward; the optimizer step waits for that copy
+(`hold_until_copied`, from an optimizer pre-step hook). The rest (buffers such as batch-norm
+statistics, which a forward changes) is copied at once. The thread then writes the copy with
+the same atomic `checkpoint.save` (temporary file, fsync, rename), so a crash during the write
+leaves the previous checkpoint intact. One write is in flight at a time, so memory stays
+bounded at one copy of the state; a write error is raised at the loop's next save or wait.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,25 +34,35 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: list[torch.Tensor] = []
-        self._from_cuda = False
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._copied = threading.Event()
+        self._copied.set()
 
-    def save(self, state: dict[str, Any], path: Path, then: Callable[[], None]) -> float:
+    def save(self, state: dict[str, Any], path: Path, then: Callable[[], None],
+             changed_only_by_step: Iterable[torch.Tensor] = ()) -> float:
         """Write `state` to `path`, then call `then` (links, pruning), in the background when
-        asked; returns the seconds the caller was blocked."""
+        asked; returns the seconds the caller was blocked. The tensors of the state that are
+        `changed_only_by_step` are copied in the background, before the next optimizer step."""
         start = time.perf_counter()
         self.wait()  # the previous write: one copy of the state at a time, files in order
         if not self.background:
             checkpoint.save(state, path)
             then()
             return time.perf_counter() - start
+        self._defer = {t.data_ptr() for t in changed_only_by_step if t.device.type == "cpu"}
         self._from_cuda = False
         copy = self._copy(state, itertools.count())
         if self._from_cuda:
             torch.cuda.synchronize()  # the device-to-host copies were asynchronous
+        self._copied.clear()
         self._thread = threading.Thread(target=self._write, args=(copy, path, then, start),
                                         name="app-checkpoint-writer")
         self._thread.start()
         return time.perf_counter() - start
+
+    def hold_until_copied(self) -> None:
+        """Wait until the background copy is done: call before the deferred tensors change."""
+        self._copied.wait()
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk; raise its error, if any."""
@@ -62,6 +76,15 @@ class CheckpointWriter:
     def _write(self, state: dict[str, Any], path: Path, then: Callable[[], None],
                start: float) -> None:
         try:
+            for buffer, tensor in self._deferred:
+                buffer.copy_(tensor)  # torch releases the GIL: the loop runs meanwhile
+        except BaseException as e:
+            self._error = e
+            return
+        finally:
+            self._deferred.clear()
+            self._copied.set()
+        try:
             checkpoint.save(state, path)
             then()
             log.debug("%s written %.2f s after the save began", path.name,
@@ -71,7 +94,12 @@ class CheckpointWriter:
 
     def _copy(self, obj: Any, index: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self._buffer(next(index), obj).copy_(obj.detach(), non_blocking=True)
+            buffer = self._buffer(next(index), obj)
+            if obj.device.type == "cpu" and obj.data_ptr() in self._defer:
+                self._deferred.append((buffer, obj.detach()))
+            else:
+                buffer.copy_(obj.detach(), non_blocking=True)
+            return buffer
         if isinstance(obj, dict):
             return type(obj)((k, self._copy(v, index)) for k, v in obj.items())
         if isinstance(obj, (list, tuple)):
@@ -82,13 +110,13 @@ class CheckpointWriter:
         """The i-th host buffer, reused when its shape and dtype still fit."""
         self._from_cuda |= like.device.type == "cuda"
         if i < len(self._buffers):
-            buf = self._buffers[i]
-            if buf.shape == like.shape and buf.dtype == like.dtype:
-                return buf
-        buf = torch.empty(like.shape, dtype=like.dtype, device="cpu",
-                          pin_memory=like.device.type == "cuda")
+            buffer = self._buffers[i]
+            if buffer.shape == like.shape and buffer.dtype == like.dtype:
+                return buffer
+        buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu",
+                             pin_memory=like.device.type == "cuda")
         if i < len(self._buffers):
-            self._buffers[i] = buf
+            self._buffers[i] = buffer
         else:
-            self._buffers.append(buf)
-        return buf
+            self._buffers.append(buffer)
+        return buffer

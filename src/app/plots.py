@@ -1,12 +1,10 @@
-"""Pictures of runs and sweeps: `plots/curves.png` per run, `summary.png` per sweep."""
+"""The picture of a sweep: `summary.png` (a run's curves are app.curves')."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 from typing import Any
-
-from app.results import read_metrics
 
 
 def _pyplot() -> Any:
@@ -17,39 +15,6 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def draw_curves(run_dir: Path) -> Path | None:
-    """Training loss, validation loss and accuracy against step -> plots/curves.png."""
-    rows = read_metrics(run_dir)
-    if not rows:
-        return None
-    plt = _pyplot()
-    series: dict[str, tuple[list[int], list[float]]] = {}
-    for row in rows:
-        for name in ("loss", "acc"):
-            if row.get(name):
-                steps, values = series.setdefault(f"{row['split']}/{name}", ([], []))
-                steps.append(int(row["step"]))
-                values.append(float(row[name]))
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, (steps, values) in sorted(series.items()):
-        ax = ax_loss if key.endswith("loss") else ax_acc
-        ax.plot(steps, values, marker="o" if key.startswith("val") else None, markersize=3,
-                label=key)
-    ax_loss.set(title="Loss", xlabel="optimizer step", ylabel="cross-entropy")
-    ax_acc.set(title="Validation accuracy", xlabel="optimizer step", ylabel="accuracy")
-    for ax in (ax_loss, ax_acc):
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
-    fig.suptitle(str(run_dir), fontsize=9)
-    fig.tight_layout()
-    out = run_dir / "plots" / "curves.png"
-    out.parent.mkdir(exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
 
 
 def _grid(jobs: list[dict[str, Any]]) -> tuple[str, str, list, list] | None:

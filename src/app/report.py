@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from app.plots import draw_curves
+from app.curves import draw_curves
 from app.results import run_summary
 from app.summary import markdown, write_summary
 

@@ -24,10 +24,10 @@ from app.build import (
     build_val_loader,
 )
 from app.config import AppConfig, AppError, MonitorMode, UserError
+from app.curves import draw_curves
 from app.ema import ModelEMA
 from app.evaluate import evaluate
 from app.loggers import MetricLogger
-from app.plots import draw_curves
 from app.runtime import rng_state, seed_everything, set_rng_state
 from app.stop import StopRequest
 from app.train_step import TrainStep
@@ -51,6 +51,18 @@ def _improved(value: float, best: float | None, mode: MonitorMode) -> bool:
     if best is None or math.isnan(best):
         return not math.isnan(value)
     return value > best if mode == MonitorMode.max else value < best
+
+
+def _changed_only_by_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                          ema: ModelEMA | None) -> list[torch.Tensor]:
+    """The tensors that nothing but the optimizer step (and the EMA update after it) changes:
+    the weights, the optimizer's state, the EMA weights. Not buffers: a forward changes them."""
+    tensors = list(model.parameters())
+    tensors += [v for s in optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor)]
+    if ema is not None:
+        tensors += list(ema.module.state_dict().values())
+    return tensors
 
 
 def _resume_path(cfg: AppConfig, run_dir: Path) -> Path | None:
@@ -154,6 +166,9 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         bar = tqdm(total=int(total_steps), initial=step, unit="step", dynamic_ncols=True)
 
     writer = CheckpointWriter(background=t.async_checkpoint)
+    # The writer copies weights and optimizer state while the next forward and backward run;
+    # the step that changes them waits for that copy.
+    optimizer.register_step_pre_hook(lambda *_: writer.hold_until_copied())
 
     def save(val_metrics: dict[str, float] | None, is_best: bool, last: bool) -> None:
         rng = dist.all_gather_object(rng_state())  # every rank's, for an exact resume
@@ -186,7 +201,8 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                 checkpoint.link(path, ckpt_dir / "best.pt")
             checkpoint.prune(ckpt_dir, t.keep_last)
 
-        blocked = writer.save(state, path, then=name_and_prune)
+        blocked = writer.save(state, path, then=name_and_prune,
+                              changed_only_by_step=_changed_only_by_step(model, optimizer, ema))
         log.debug("checkpoint %s: the loop waited %.3f s", path.name, blocked)
 
     log.info(

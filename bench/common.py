@@ -1,0 +1,100 @@
+"""Running a measured process, and the statistics and facts every benchmark reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+PROBE = BENCH / "probe"
+WARMUP_STEPS = 10  # step times before this are left out (allocator and caches warming up)
+
+
+@dataclass
+class Run:
+    first_step_s: float  # process start (Popen) to the end of rank 0's first optimizer step
+    step_s: float  # median time per optimizer step of rank 0, after the warm-up
+    peak_rss_mb: float  # peak resident memory of the started process itself
+    wall_s: float
+    times: list[float]  # wall time at the end of each optimizer step of rank 0
+
+
+def run_probed(cmd: list[str], steps: int, cwd: Path, env: dict[str, str] | None = None) -> Run:
+    """Run `cmd` with the step probe; it must reach `steps` optimizer steps."""
+    with tempfile.TemporaryDirectory(prefix="app-bench-") as probe_dir, \
+            tempfile.TemporaryFile("w+") as log:
+        path = os.pathsep.join(filter(None, [str(PROBE), os.environ.get("PYTHONPATH")]))
+        full_env = {**os.environ, **(env or {}), "APP_PROBE_DIR": probe_dir,
+                    "APP_PROBE_STEPS": str(steps), "PYTHONPATH": path}
+        start = time.time()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=log, stderr=log)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.time() - start
+        if proc.returncode != 0:
+            log.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{log.read()[-3000:]}")
+        records = [json.loads(p.read_text()) for p in Path(probe_dir).glob("*.json")]
+    rank0 = max((r for r in records if r["rank"] == 0), key=lambda r: len(r["times"]))
+    times = rank0["times"]
+    if len(times) < steps:
+        raise RuntimeError(f"{' '.join(cmd)}: {len(times)} steps recorded, {steps} expected")
+    deltas = [b - a for a, b in zip(times[WARMUP_STEPS:], times[WARMUP_STEPS + 1:], strict=False)]
+    return Run(times[0] - start, statistics.median(deltas), usage.ru_maxrss / 1024, wall, times)
+
+
+def time_to_exit(cmd: list[str], cwd: Path) -> float:
+    start = time.time()
+    subprocess.run(cmd, cwd=cwd, check=True, capture_output=True)
+    return time.time() - start
+
+
+@dataclass
+class Stat:
+    """The median of repeated measurements, with their range."""
+
+    values: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    def fmt(self, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
+        lo, hi = min(self.values) * scale, max(self.values) * scale
+        return f"{self.median * scale:.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+def ratio_range(a: Stat, b: Stat) -> str:
+    """a/b of the medians, with the range of the ratios of paired runs."""
+    pairs = [x / y for x, y in zip(a.values, b.values, strict=False)]
+    return f"{a.median / b.median:.3f} ({min(pairs):.3f}-{max(pairs):.3f})"
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+               platform.processor() or "unknown CPU") if Path("/proc/cpuinfo").exists() else \
+        platform.processor()
+    mem = next((int(line.split()[1]) / 2**20 for line in
+                Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")),
+               0.0) if Path("/proc/meminfo").exists() else 0.0
+    import hydra
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, GPU: {gpu}; "
+            f"{platform.system()} {platform.release()}; Python {platform.python_version()}, "
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"hydra-core {hydra.__version__}")
+
+
+def app_cmd(*overrides: str) -> list[str]:
+    return [sys.executable, "-m", "app", *overrides]
