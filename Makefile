@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 STAMP := .installed
 
-.PHONY: help install run test lint clean slurm-up slurm-down
+.PHONY: help install run test bench lint clean slurm-up slurm-down
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -25,8 +25,11 @@ run: $(STAMP)  ## train the default job (CNN on digits) into outputs/
 test: $(STAMP)  ## run the test suite
 	$(PYTHON) -m pytest
 
+bench: $(STAMP)  ## benchmarks against baselines, side by side; writes BENCHMARKS.md
+	$(PYTHON) bench/run.py
+
 lint: $(STAMP)  ## ruff
-	$(PYTHON) -m ruff check src tests
+	$(PYTHON) -m ruff check src tests bench
 
 slurm-up:  ## start a local Slurm cluster of 2 emulated nodes (root; installs Debian's slurm)
 	scripts/slurm-local.sh up

@@ -22,7 +22,7 @@ WARMUP_STEPS = 10  # step times before this are left out (allocator and caches w
 class Run:
     first_step_s: float  # process start (Popen) to the end of rank 0's first optimizer step
     step_s: float  # median time per optimizer step of rank 0, after the warm-up
-    peak_rss_mb: float  # peak resident memory of the started process itself
+    peak_rss_mb: float  # peak resident memory of the started process itself (VmHWM)
     wall_s: float
     times: list[float]  # wall time at the end of each optimizer step of rank 0
 
@@ -36,19 +36,24 @@ def run_probed(cmd: list[str], steps: int, cwd: Path, env: dict[str, str] | None
                     "APP_PROBE_STEPS": str(steps), "PYTHONPATH": path}
         start = time.time()
         proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=log, stderr=log)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc.wait()
         wall = time.time() - start
         if proc.returncode != 0:
             log.seek(0)
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{log.read()[-3000:]}")
-        records = [json.loads(p.read_text()) for p in Path(probe_dir).glob("*.json")]
+        records = [json.loads(p.read_text()) for p in Path(probe_dir).glob("*-*.json")
+                   if not p.name.startswith("peak-")]
+        peak = [json.loads(p.read_text()) for p in Path(probe_dir).glob("peak-*.json")]
     rank0 = max((r for r in records if r["rank"] == 0), key=lambda r: len(r["times"]))
     times = rank0["times"]
     if len(times) < steps:
         raise RuntimeError(f"{' '.join(cmd)}: {len(times)} steps recorded, {steps} expected")
     deltas = [b - a for a, b in zip(times[WARMUP_STEPS:], times[WARMUP_STEPS + 1:], strict=False)]
-    return Run(times[0] - start, statistics.median(deltas), usage.ru_maxrss / 1024, wall, times)
+    step_s = statistics.median(deltas) if deltas else float("nan")
+    # The started process's own peak (not wait4's, which counts this process's memory too:
+    # Linux carries the peak across fork and exec).
+    own = next((p["peak_mb"] for p in peak if p["pid"] == proc.pid), float("nan"))
+    return Run(times[0] - start, step_s, own, wall, times)
 
 
 def time_to_exit(cmd: list[str], cwd: Path) -> float:

@@ -7,12 +7,14 @@ cosine schedule, dropout seeded after the model is built. Its losses therefore e
 bit for bit, which the benchmark checks. No logging, validation or checkpoints.
 
     python bench/plain_loop.py --model cnn --steps 300 --losses losses.json
+    torchrun --standalone --nproc_per_node=2 bench/plain_loop.py   # plain DDP (gloo)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 
 import numpy as np
@@ -25,7 +27,7 @@ from app.models import CNN, MLP
 from app.schedulers import warmup_cosine
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
     p.add_argument("--channels", type=json.loads, default=[32, 64])
@@ -40,8 +42,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--losses", help="write the loss of every step here (JSON)")
-    args = p.parse_args()
+    return p
 
+
+def train(args: argparse.Namespace) -> list[float]:
+    """Train as the app's default run does; returns the loss of every step."""
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -52,13 +57,18 @@ def main() -> None:
         model = CNN(data.input_shape, data.num_classes, channels=args.channels)
     else:
         model = MLP(data.input_shape, data.num_classes, hidden=args.hidden)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    train = model
+    if world > 1:  # started by torchrun: plain DDP, each rank its share of every epoch
+        torch.distributed.init_process_group("gloo")
+        train = torch.nn.parallel.DistributedDataParallel(model)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
         [{"params": [q for q in params if q.ndim > 1]},
          {"params": [q for q in params if q.ndim <= 1], "weight_decay": 0.0}],
         lr=args.lr, weight_decay=args.weight_decay)
     scheduler = warmup_cosine(optimizer, total_steps=args.steps, warmup_steps=args.warmup)
-    torch.manual_seed(args.seed)  # dropout
+    torch.manual_seed(args.seed + rank)  # dropout
 
     losses = []
     model.train()
@@ -66,11 +76,12 @@ def main() -> None:
     while len(losses) < args.steps:
         order = torch.randperm(len(data.train),
                                generator=torch.Generator().manual_seed(args.seed + epoch))
+        order = torch.cat([order, order[:(-len(order)) % world]])[rank::world]  # as DDP pads
         # The loader gets a generator of its own, as in the app: otherwise it draws its
         # workers' base seed from the global generator, which dropout uses.
         for x, y in DataLoader(data.train, batch_size=args.batch, sampler=order.tolist(),
                                drop_last=True, generator=torch.Generator()):
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(train(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -79,9 +90,17 @@ def main() -> None:
             if len(losses) == args.steps:
                 break
         epoch += 1
-    if args.losses:
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return [loss.item() for loss in losses]
+
+
+def main() -> None:
+    args = parser().parse_args()
+    losses = train(args)
+    if args.losses and int(os.environ.get("RANK", 0)) == 0:
         with open(args.losses, "w") as f:
-            json.dump([loss.item() for loss in losses], f)
+            json.dump(losses, f)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ alternate, so that drifts of a noisy machine hit both. Nothing here asserts on t
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 import ckpt_stall
+import step_overhead
 from common import BENCH, Stat, app_cmd, machine, ratio_range, run_probed
 
 REPO = BENCH.parent
@@ -33,49 +33,38 @@ def verdict(value: float, target: float) -> str:
     return "met" if value <= target else "**missed**"
 
 
-def step_overhead(tmp: Path, repeats: int) -> tuple[str, dict]:
+CASES = {
+    "CNN, digits, batch 64": (CNN_STEPS, [], []),
+    f"MLP {MLP['hidden']}, synthetic {MLP['input_shape']}, batch {MLP['batch']}": (
+        MLP_STEPS,
+        ["model=mlp", f"model.hidden={json.dumps(MLP['hidden'])}", "data=synthetic",
+         f"data.num_samples={MLP['num_samples']}",
+         f"data.input_shape={json.dumps(MLP['input_shape'])}", f"data.batch_size={MLP['batch']}"],
+        ["--model", "mlp", "--hidden", json.dumps(MLP["hidden"]), "--data", "synthetic",
+         "--num-samples", str(MLP["num_samples"]), "--input-shape",
+         json.dumps(MLP["input_shape"]), "--batch", str(MLP["batch"])]),
+}
+
+
+def steps_section(tmp: Path, repeats: int) -> str:
     """(a) digits CNN at batch 64, (b) an MLP on synthetic data at batch 512: the app's loop
     (default logging, progress and checkpoint settings) against bench/plain_loop.py."""
-    m = MLP
-    cases = {
-        "CNN, digits, batch 64": (
-            CNN_STEPS, [f"trainer.max_steps={CNN_STEPS}"], ["--steps", str(CNN_STEPS)]),
-        f"MLP {m['hidden']}, synthetic {m['input_shape']}, batch {m['batch']}": (
-            MLP_STEPS,
-            ["model=mlp", f"model.hidden={json.dumps(m['hidden'])}", "data=synthetic",
-             f"data.num_samples={m['num_samples']}",
-             f"data.input_shape={json.dumps(m['input_shape'])}",
-             f"data.batch_size={m['batch']}", f"trainer.max_steps={MLP_STEPS}"],
-            ["--model", "mlp", "--hidden", json.dumps(m["hidden"]), "--data", "synthetic",
-             "--num-samples", str(m["num_samples"]), "--input-shape",
-             json.dumps(m["input_shape"]), "--batch", str(m["batch"]),
-             "--steps", str(MLP_STEPS)]),
-    }
-    rows, runs = [], {}
-    for i, (name, (steps, app_args, plain_args)) in enumerate(cases.items()):
-        apps, plains, parity = [], [], []
-        for r in range(repeats):
-            run_dir = tmp / f"steps{i}-{r}"
-            apps.append(run_probed(app_cmd(*app_args, f"hydra.run.dir={run_dir}"), steps, REPO))
-            losses = tmp / f"plain{i}-{r}.json"
-            plains.append(run_probed(plain_cmd(*plain_args, "--losses", str(losses)), steps,
-                                     REPO))
-            parity.append(_same_losses(run_dir / "metrics.csv", losses))
-        runs[i] = (apps, plains)
-        a, p = Stat([x.step_s for x in apps]), Stat([x.step_s for x in plains])
+    rows = []
+    for name, (steps, app_args, plain_args) in CASES.items():
+        apps, plains, same = step_overhead.compare(
+            [*app_args, f"trainer.max_steps={steps}"], [*plain_args, "--steps", str(steps)],
+            repeats + 2, tmp)  # rounds are cheap here: no process start-up
+        a, p = Stat(apps), Stat(plains)
         ratio = a.median / p.median
         rows.append(f"| {name} | {p.fmt(1e3)} | {a.fmt(1e3)} | {ratio_range(a, p)} | "
-                    f"{verdict(ratio, 1.03)} | {'identical' if all(parity) else '**differ**'} |")
-    table = ("| case | plain loop ms/step | app ms/step | ratio | target 1.03 | losses |\n"
-             "|---|---|---|---|---|---|\n" + "\n".join(rows))
-    return table, runs
-
-
-def _same_losses(metrics: Path, plain_losses: Path) -> bool:
-    plain = json.loads(plain_losses.read_text())
-    logged = [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(metrics.open())
-              if r["split"] == "train"]
-    return bool(logged) and all(plain[step - 1] == loss for step, loss in logged)
+                    f"{verdict(ratio, 1.03)} | {'identical' if same else '**differ**'} |")
+    first = next(iter(CASES.values()))
+    a, b = step_overhead.control([*first[2], "--steps", str(first[0])], repeats)
+    a, b = Stat(a), Stat(b)
+    rows.append(f"| control: the plain loop against itself (CNN) | {b.fmt(1e3)} | {a.fmt(1e3)} "
+                f"| {ratio_range(a, b)} | | |")
+    return ("| case | plain loop ms/step | app ms/step | ratio | target 1.03 | losses |\n"
+            "|---|---|---|---|---|---|\n" + "\n".join(rows))
 
 
 def floor(modules: str) -> float:
@@ -140,33 +129,46 @@ Where the time goes (one run of bench/timeline.py, seconds):
 
 
 def ddp_and_spawn(tmp: Path, repeats: int) -> str:
-    common = [f"trainer.max_steps={DDP_STEPS}", "distributed.omp_threads=1"]
-    ones, twos, spawned = [], [], []
+    """devices=2 against devices=1 (one thread per process), and the same for a plain DDP loop
+    under torchrun: what PyTorch's DDP costs on this machine without the app."""
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    app = [f"trainer.max_steps={DDP_STEPS}", "distributed.omp_threads=1"]
+    runs: dict[str, list] = {"app1": [], "app2": [], "plain1": [], "plain2": [], "spawn": []}
     for r in range(repeats):
-        ones.append(run_probed(app_cmd(*common, f"hydra.run.dir={tmp / f'd1-{r}'}"),
-                               DDP_STEPS, REPO, env={"OMP_NUM_THREADS": "1"}))
-        twos.append(run_probed(app_cmd(*common, "devices=2", f"hydra.run.dir={tmp / f'd2-{r}'}"),
-                               DDP_STEPS, REPO, env={"OMP_NUM_THREADS": "1"}))
+        for n in (1, 2):
+            runs[f"app{n}"].append(run_probed(
+                app_cmd(*app, f"devices={n}", f"hydra.run.dir={tmp / f'ddp{n}-{r}'}"),
+                DDP_STEPS, REPO, env=one_thread))
+            runs[f"plain{n}"].append(run_probed(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc_per_node={n}", str(BENCH / "plain_loop.py"), "--steps",
+                 str(DDP_STEPS)], DDP_STEPS, REPO, env=one_thread))
     for r in range(max(1, repeats - 1)):
-        spawned.append(run_probed(app_cmd(*common, "devices=2", "distributed.start_method=spawn",
-                                          f"hydra.run.dir={tmp / f'sp-{r}'}"),
-                                  DDP_STEPS, REPO, env={"OMP_NUM_THREADS": "1"}))
-    one, two = Stat([x.step_s for x in ones]), Stat([x.step_s for x in twos])
-    f1, f2 = Stat([x.first_step_s for x in ones]), Stat([x.first_step_s for x in twos])
-    fs = Stat([x.first_step_s for x in spawned])
-    ddp_ratio, extra = two.median / one.median, f2.median - f1.median
+        runs["spawn"].append(run_probed(
+            app_cmd(*app, "devices=2", "distributed.start_method=spawn",
+                    f"hydra.run.dir={tmp / f'spawn-{r}'}"), DDP_STEPS, REPO, env=one_thread))
+    step = {k: Stat([x.step_s for x in v]) for k, v in runs.items()}
+    first = {k: Stat([x.first_step_s for x in v]) for k, v in runs.items()}
+    ddp_ratio = step["app2"].median / step["app1"].median
+    extra = first["app2"].median - first["app1"].median
     return f"""### DDP overhead (weak scaling, gloo, 1 thread per process, batch 64 per process)
 
-| | devices=1 | devices=2 | ratio | target 1.15 |
+Bucket size 25 MB (`distributed.bucket_cap_mb`, DDP's default): the CNN's gradients (0.4 MB)
+fill one bucket, so its all-reduce starts when backward ends: no overlap with backward here.
+
+| ms per step (rank 0) | devices=1 | devices=2 | ratio | target 1.15 |
 |---|---|---|---|---|
-| ms per step (rank 0) | {one.fmt(1e3)} | {two.fmt(1e3)} | {ratio_range(two, one)} \
-| {verdict(ddp_ratio, 1.15)} |
+| app | {step['app1'].fmt(1e3)} | {step['app2'].fmt(1e3)} \
+| {ratio_range(step['app2'], step['app1'])} | {verdict(ddp_ratio, 1.15)} |
+| plain loop, plain DDP (torchrun) | {step['plain1'].fmt(1e3)} | {step['plain2'].fmt(1e3)} \
+| {ratio_range(step['plain2'], step['plain1'])} | |
 
 ### Spawn cost (time to first step, seconds)
 
 | devices=1 | devices=2, forkserver (default) | devices=2, spawn | extra (forkserver) | target 1.0 |
 |---|---|---|---|---|
-| {f1.fmt()} | {f2.fmt()} | {fs.fmt()} | {extra:.2f} | {verdict(extra, 1.0)} |"""
+| {first['app1'].fmt()} | {first['app2'].fmt()} | {first['spawn'].fmt()} | {extra:.2f} \
+| {verdict(extra, 1.0)} |"""
 
 
 def checkpoint_stall(tmp: Path, repeats: int) -> str:
@@ -178,7 +180,7 @@ def checkpoint_stall(tmp: Path, repeats: int) -> str:
         run = run_probed(app_cmd(*ckpt_stall.LOOP_OVERRIDES, f"trainer.async_checkpoint={mode}",
                                  f"hydra.run.dir={tmp / f'ckpt-{mode}'}"),
                          ckpt_stall.LOOP_STEPS, REPO)
-        loop[mode] = ckpt_stall.stalls(run.step_times)
+        loop[mode] = ckpt_stall.stalls(run.times)
     a, s = Stat(loop["true"]), Stat(loop["false"])
     ratio = a.median / plain.median
     return f"""State of {size:.0f} MB (an MLP's weights; SGD, so no optimizer state), seconds:
@@ -199,10 +201,15 @@ The stall is the time between the steps around a checkpoint minus the median ste
 measured by the step probe in a real run ({' '.join(ckpt_stall.LOOP_OVERRIDES)})."""
 
 
-def memory(step_runs: dict) -> str:
+def memory(tmp: Path, repeats: int) -> str:
+    """Peak resident memory of whole runs (processes), app and plain loop alternating."""
     rows = []
-    for i, name in ((0, "CNN, digits"), (1, "MLP, synthetic")):
-        apps, plains = step_runs[i]
+    for i, (name, (steps, app_args, plain_args)) in enumerate(CASES.items()):
+        apps, plains = [], []
+        for r in range(repeats):
+            apps.append(run_probed(app_cmd(*app_args, f"trainer.max_steps={steps}",
+                                           f"hydra.run.dir={tmp / f'mem{i}-{r}'}"), steps, REPO))
+            plains.append(run_probed(plain_cmd(*plain_args, "--steps", str(steps)), steps, REPO))
         a, p = Stat([x.peak_rss_mb for x in apps]), Stat([x.peak_rss_mb for x in plains])
         ratio = a.median / p.median
         rows.append(f"| {name} | {p.fmt(digits=0, unit=' MB')} | {a.fmt(digits=0, unit=' MB')} "
@@ -220,14 +227,9 @@ def main() -> None:
     sections = {}
     with tempfile.TemporaryDirectory(prefix="app-bench-") as tmp:
         tmp = Path(tmp)
-        for name, fn in (("steps", lambda: step_overhead(tmp, args.repeats)),):
-            sections[name], step_runs = fn()
-            print(sections[name], flush=True)
-        for name, fn in (("startup", lambda: startup(tmp, args.repeats)),
-                         ("memory", lambda: memory(step_runs)),
-                         ("ddp", lambda: ddp_and_spawn(tmp, args.repeats)),
-                         ("checkpoint", lambda: checkpoint_stall(tmp, args.repeats))):
-            sections[name] = fn()
+        for name, fn in (("steps", steps_section), ("startup", startup), ("memory", memory),
+                         ("ddp", ddp_and_spawn), ("checkpoint", checkpoint_stall)):
+            sections[name] = fn(tmp, args.repeats)
             print(sections[name], flush=True)
     took = time.time() - started
     args.out.write_text(render(sections, args.repeats, took))
@@ -249,9 +251,13 @@ Timing on this machine is noisy; read the ratios, not the absolute times.
 bench/plain_loop.py trains the same model and data classes with the same batch, optimizer
 (AdamW, no decay on 1-d parameters), schedule, seed and thread count; the app runs with its
 default logging, progress and checkpoint settings (validation and checkpoint each epoch, the
-loss logged every 10 steps). Median time per optimizer step after {10} warm-up steps, from
-a probe on torch's optimizer-step hook (bench/probe). "losses": the losses the app logged
-equal the plain loop's at the same steps, bit for bit.
+loss logged every 10 steps, to a log file). Both loops run in one process and take turns,
+one optimizer step each (bench/step_overhead.py: the app in the main thread, the plain loop
+in a second one), so that they share imports, thread pools and allocator state, and the
+machine's drifts (tens of percent over seconds here) hit both alike. Median time per step
+after 10 warm-up steps, {repeats + 2} rounds. The control row runs the plain loop against
+itself the same way: its ratio shows the resolution of the method. "losses": the losses the
+app logged equal the plain loop's at the same steps, bit for bit (each loop run alone).
 
 {s['steps']}
 
@@ -269,7 +275,8 @@ equal the plain loop's at the same steps, bit for bit.
 
 ## 6. Memory
 
-Peak resident memory of the process (os.wait4), for the runs of section 1.
+Peak resident memory (VmHWM, recorded by the probe at exit) of whole runs as processes:
+`python -m app` with the case's settings against `python bench/plain_loop.py`, alternating.
 
 {s['memory']}
 """

@@ -51,7 +51,7 @@ def test_the_file_holds_the_state_of_the_save_not_later_changes(tmp_path) -> Non
     for i in range(2):  # the second save reuses the first one's buffers
         writer.save(state, tmp_path / f"{i}.pt", then=lambda: None,
                     changed_only_by_step=weights)
-        writer.hold_until_copied()  # what the optimizer's pre-step hook does
+        writer.hold_until_copied()  # what the train step does before it updates
         for w in weights:
             w.add_(1.0)  # the step changes the weights while the file is written
         writer.wait()

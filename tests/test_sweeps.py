@@ -124,6 +124,8 @@ def test_mlflow_and_tensorboard_together(tmp_path) -> None:
     losses = [float(r["loss"]) for r in read_metrics(run) if r["split"] == "train"]
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == losses
     assert "config.yaml" in [a.path for a in client.list_artifacts(run_id)]
+    assert list((tmp_path / "mlartifacts").rglob("config.yaml"))  # beside the store
+    assert not (REPO / "mlruns").exists()  # not in the directory the run started from
 
 
 def test_mlflow_missing_is_a_clear_error(tmp_path, monkeypatch) -> None:

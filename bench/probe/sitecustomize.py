@@ -6,9 +6,12 @@ With APP_PROBE_DIR set, it registers torch's global optimizer-step post hook as 
 start-up being measured), and records the wall time of each optimizer step's end. The
 records go to APP_PROBE_DIR/<rank>-<pid>.json after the first step and after APP_PROBE_STEPS
 steps. With APP_PROBE_EXIT=1 the process ends right after its first step (start-up runs).
+At exit, the process's peak resident memory (VmHWM: of this program alone, not of the
+process it was started from) goes to APP_PROBE_DIR/peak-<pid>.json.
 The app and the plain loop are measured by this same probe.
 """
 
+import atexit
 import importlib.abc
 import importlib.machinery
 import json
@@ -52,6 +55,17 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _peak() -> None:
+    try:
+        with open("/proc/self/status") as f:
+            kb = int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
+    except (OSError, StopIteration):
+        return
+    with open(os.path.join(_DIR, f"peak-{os.getpid()}.json"), "w") as f:
+        json.dump({"pid": os.getpid(), "peak_mb": kb / 1024}, f)
+
+
 if _DIR:
     os.makedirs(_DIR, exist_ok=True)
     sys.meta_path.insert(0, _Finder())
+    atexit.register(_peak)

@@ -3,12 +3,13 @@
 A save gives every tensor of the state a host buffer (kept and reused from one save to the
 next, page-locked for GPU tensors). Tensors that only the optimizer step changes (weights,
 optimizer state, EMA weights: the bulk of a checkpoint) are copied by the writer thread while
-the loop runs the next forward and backward; the optimizer step waits for that copy
-(`hold_until_copied`, from an optimizer pre-step hook). The rest (buffers such as batch-norm
-statistics, which a forward changes) is copied at once. The thread then writes the copy with
-the same atomic `checkpoint.save` (temporary file, fsync, rename), so a crash during the write
-leaves the previous checkpoint intact. One write is in flight at a time, so memory stays
-bounded at one copy of the state; a write error is raised at the loop's next save or wait.
+the loop runs the next forward and backward; the update (optimizer step, EMA) waits for
+that copy (`hold_until_copied`, which the train step calls first). The rest (buffers such
+as batch-norm statistics, which a forward changes) is copied at once. The thread then writes
+the copy with the same atomic `checkpoint.save` (temporary file, fsync, rename), so a crash
+during the write leaves the previous checkpoint intact. One write is in flight at a time, so
+memory stays bounded at one copy of the state; a write error is raised at the loop's next
+save or wait.
 """
 
 from __future__ import annotations

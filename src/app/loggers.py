@@ -63,9 +63,15 @@ class MLflowLogger:
             raise UserError("logger.mlflow=true needs MLflow: pip install mlflow-skinny "
                             "(or pip install -e '.[mlflow]')") from e
         self.mlflow = mlflow
+        artifacts = None
         if uri.startswith("sqlite:///"):  # SQLite creates the file, not its folder
-            Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            store = Path(uri.removeprefix("sqlite:///")).resolve().parent
+            store.mkdir(parents=True, exist_ok=True)
+            # Artifacts beside the database, not in ./mlruns of wherever the run started.
+            artifacts = (store / "mlartifacts").as_uri()
         mlflow.set_tracking_uri(uri)
+        if mlflow.get_experiment_by_name(experiment) is None:
+            mlflow.create_experiment(experiment, artifact_location=artifacts)
         mlflow.set_experiment(experiment)
         id_file = run_dir / ".mlflow_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else None

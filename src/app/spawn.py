@@ -93,6 +93,8 @@ def spawn(cfg: AppConfig, run_dir: Path, kind: str, devices: int, url: str) -> f
     """Start `devices` workers, watch them, and end them all if one fails or a signal comes."""
     from app.worker import spawned_worker  # (torch: after the worker server has started)
 
+    if cfg.distributed.start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(PRELOAD)  # (when prestart could not know)
     ctx = multiprocessing.get_context(cfg.distributed.start_method)
     grace = cfg.distributed.kill_grace_s
     base_rank = cfg.machine_rank * devices

@@ -117,8 +117,11 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     total_steps = min(
         t.max_steps or math.inf, (t.max_epochs or math.inf) * steps_per_epoch)
     scheduler = build_scheduler(cfg, optimizer, total_steps=int(total_steps))
+    # The checkpoint writer copies weights, optimizer state and EMA while the next forward and
+    # backward run; the update that changes them waits for that copy.
+    writer = CheckpointWriter(background=t.async_checkpoint)
     train_step = TrainStep(model, train_model, optimizer, scheduler, device, cfg.precision,
-                           t.grad_clip_norm, ema)
+                           t.grad_clip_norm, ema, before_update=writer.hold_until_copied)
     eval_model = ema.module if ema is not None else model  # EMA weights validate when enabled
 
     def finished() -> bool:
@@ -165,10 +168,6 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
 
         bar = tqdm(total=int(total_steps), initial=step, unit="step", dynamic_ncols=True)
 
-    writer = CheckpointWriter(background=t.async_checkpoint)
-    # The writer copies weights and optimizer state while the next forward and backward run;
-    # the step that changes them waits for that copy.
-    optimizer.register_step_pre_hook(lambda *_: writer.hold_until_copied())
 
     def save(val_metrics: dict[str, float] | None, is_best: bool, last: bool) -> None:
         rng = dist.all_gather_object(rng_state())  # every rank's, for an exact resume

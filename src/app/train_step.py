@@ -4,7 +4,7 @@ clipping, the optimizer, scheduler and EMA updates. Everything with state is che
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,36 +32,45 @@ def check_precision(precision: str, device: torch.device) -> None:
 class TrainStep:
     def __init__(self, model: nn.Module, train_model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, device: torch.device, precision: str,
-                 grad_clip_norm: float | None, ema: ModelEMA | None) -> None:
+                 grad_clip_norm: float | None, ema: ModelEMA | None,
+                 before_update: Callable[[], None] = lambda: None) -> None:
         check_precision(precision, device)
         self.model, self.train_model = model, train_model
         self.optimizer, self.scheduler = optimizer, scheduler
         self.device, self.precision = device, precision
         self.grad_clip_norm, self.ema = grad_clip_norm, ema
+        self.before_update = before_update  # called before weights, optimizer state, EMA change
         self.input_dtype = torch.bfloat16 if precision == "bf16-true" else None
         # Loss scaling keeps small float16 gradients from flushing to zero.
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
+        # Looked up once: the step runs thousands of times.
+        self.autocast = autocast_for(precision, device)
+        self.no_sync = getattr(train_model, "no_sync", None)
 
     def __call__(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
                  ) -> torch.Tensor:
         """Train on `micro_batches` as one batch; returns their mean loss (detached)."""
-        total = torch.zeros((), device=self.device)
+        n = len(micro_batches)
+        losses = []
         for i, (x, y) in enumerate(micro_batches):
             x = x.to(self.device, dtype=self.input_dtype, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
             # Gradients are averaged over ranks only after the last micro-batch: syncing each
             # one would cost a collective per micro-batch for the same result.
-            last = i == len(micro_batches) - 1
-            no_sync = getattr(self.train_model, "no_sync", None)
-            with contextlib.nullcontext() if last or no_sync is None else no_sync():
-                with autocast_for(self.precision, self.device):
-                    loss = F.cross_entropy(self.train_model(x), y) / len(micro_batches)
+            last = i == n - 1
+            with contextlib.nullcontext() if last or self.no_sync is None else self.no_sync():
+                with self.autocast:
+                    loss = F.cross_entropy(self.train_model(x), y)
+                    if n > 1:
+                        loss = loss / n
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total += loss.detach().float()
+            losses.append(loss.detach().float())
+        total = losses[0] if n == 1 else torch.stack(losses).sum()
         if self.grad_clip_norm is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients
             nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+        self.before_update()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
