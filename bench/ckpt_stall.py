@@ -50,10 +50,10 @@ def measure(repeats: int = 3, size_mb: int = 200) -> dict[str, list[float]]:
     return out
 
 
-# A real run with the same ~200 MB model: an MLP 7168 -> 7168 -> 10, a checkpoint every 5 steps.
+# A real run with the same ~200 MB model: an MLP 7168 -> 7168 -> 10, a checkpoint every 3 steps.
 # Training uses one of the two cores, so that the writer thread has one of its own (as on any
 # machine with a core to spare); with both busy, the write slows the steps it overlaps.
-LOOP_STEPS, LOOP_EVERY = 20, 5
+LOOP_STEPS, LOOP_EVERY = 21, 3
 LOOP_OVERRIDES = [
     "model=mlp", "model.hidden=[7168]", "model.dropout=0", "data=synthetic",
     "data.input_shape=[7168]", "data.num_samples=640", "data.batch_size=16",
@@ -71,3 +71,13 @@ def stalls(times: list[float]) -> list[float]:
     after = [k for k in interval if k % LOOP_EVERY == 0]
     typical = statistics.median(v for k, v in interval.items() if k not in after)
     return [interval[k] - typical for k in after]
+
+
+def loop_wait(run_dir: Path) -> float:
+    """Seconds the loop waited per checkpoint, from the line the run logs at its end (the
+    final checkpoint, which the end of a run waits for in full, left out)."""
+    line = next(x for x in (run_dir / "train.log").read_text().splitlines()
+                if "the loop waited" in x)
+    count = int(line.split(" - ", 1)[1].split()[0])
+    waited = float(line.split("the loop waited ")[1].split()[0])
+    return waited / count

@@ -29,8 +29,10 @@ class Run:
 
 def run_probed(cmd: list[str], steps: int, cwd: Path, env: dict[str, str] | None = None) -> Run:
     """Run `cmd` with the step probe; it must reach `steps` optimizer steps."""
-    with tempfile.TemporaryDirectory(prefix="app-bench-") as probe_dir, \
-            tempfile.TemporaryFile("w+") as log:
+    # (A spawned helper, such as multiprocessing's resource tracker, may write its record
+    # late; cleaning up ignores that.)
+    with tempfile.TemporaryDirectory(prefix="app-bench-", ignore_cleanup_errors=True) as \
+            probe_dir, tempfile.TemporaryFile("w+") as log:
         path = os.pathsep.join(filter(None, [str(PROBE), os.environ.get("PYTHONPATH")]))
         full_env = {**os.environ, **(env or {}), "APP_PROBE_DIR": probe_dir,
                     "APP_PROBE_STEPS": str(steps), "PYTHONPATH": path}
@@ -77,10 +79,15 @@ class Stat:
         return f"{self.median * scale:.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
+def paired_ratio(a: Stat, b: Stat) -> float:
+    """The median of the ratios of paired runs (run i of a with run i of b, side by side):
+    robust to a machine whose speed drifts between pairs."""
+    return statistics.median(x / y for x, y in zip(a.values, b.values, strict=True))
+
+
 def ratio_range(a: Stat, b: Stat) -> str:
-    """a/b of the medians, with the range of the ratios of paired runs."""
-    pairs = [x / y for x, y in zip(a.values, b.values, strict=False)]
-    return f"{a.median / b.median:.3f} ({min(pairs):.3f}-{max(pairs):.3f})"
+    pairs = [x / y for x, y in zip(a.values, b.values, strict=True)]
+    return f"{paired_ratio(a, b):.3f} ({min(pairs):.3f}-{max(pairs):.3f})"
 
 
 def machine() -> str:

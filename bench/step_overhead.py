@@ -1,11 +1,10 @@
 """Step overhead: the app's training loop against the plain loop, step for step.
 
-Both loops run in one process, the app's in the main thread (it installs signal handlers)
-and the plain loop in a second thread, and they take turns: at the end of each optimizer step
-(torch's global step hook) a loop hands over to the other and waits. So each loop's steps lie
-between the other's, and a machine whose speed drifts (this one, by tens of percent over
-seconds) slows both alike. A loop's step time is from getting its turn to the end of its
-next optimizer step: loop bookkeeping, data, forward, backward and update.
+Both loops run in one process, each in a thread of its own, and they take turns: at the end
+of each optimizer step (torch's global step hook) a loop hands over to the other and waits.
+So each loop's steps lie between the other's, and a machine whose speed drifts (this one, by
+tens of percent over seconds) slows both alike. A loop's step time is from getting its turn
+to the end of its next optimizer step: loop bookkeeping, data, forward, backward and update.
 
 The app's loop is `app.train.train` with the config `python -m app` composes, logging to a
 file as under Hydra; the plain loop is bench/plain_loop.py's `train`.
@@ -35,29 +34,27 @@ WARMUP = 10
 
 
 class Turns:
-    """Two loops, one optimizer step each in turn; records each loop's step times."""
+    """Two loops, each in a thread of its own, one optimizer step each in turn; records each
+    loop's step times."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: str, second: str) -> None:
         self.cv = threading.Condition()
-        self.turn = "app"
+        self.turn, self.names = first, (first, second)
         self.finished: set[str] = set()
-        self.times: dict[str, list[float]] = {"app": [], "plain": []}
+        self.times: dict[str, list[float]] = {first: [], second: []}
         self.since: dict[str, float] = {}
+        self.local = threading.local()
 
-    @staticmethod
-    def me() -> str:
-        return "app" if threading.current_thread() is threading.main_thread() else "plain"
-
-    def begin(self) -> None:
-        me = self.me()
+    def begin(self, me: str) -> None:
+        self.local.name = me
         with self.cv:
             self.cv.wait_for(lambda: self.turn == me)
         self.since[me] = time.perf_counter()
 
     def step_done(self) -> None:
-        me = self.me()
+        me = self.local.name
         self.times[me].append(time.perf_counter() - self.since[me])
-        other = "plain" if me == "app" else "app"
+        other = self.names[1] if me == self.names[0] else self.names[0]
         with self.cv:
             if other not in self.finished:
                 self.turn = other
@@ -66,10 +63,10 @@ class Turns:
         self.since[me] = time.perf_counter()
 
     def end(self) -> None:
-        me = self.me()
+        me = self.local.name
         with self.cv:
             self.finished.add(me)
-            self.turn = "plain" if me == "app" else "app"
+            self.turn = self.names[1] if me == self.names[0] else self.names[0]
             self.cv.notify_all()
 
 
@@ -106,29 +103,28 @@ def _same_losses(metrics: Path, losses: list[float]) -> bool:
     return bool(logged) and all(losses[s - 1] == loss for s, loss in logged)
 
 
-def _in_turns(main_loop, other_loop) -> tuple[float, float]:
-    """Run two loops in turns (the first in this, the main, thread); their median step times."""
+def _in_turns(first, second) -> tuple[float, float]:
+    """Run two loops in turns, each in a thread of its own (so that neither has the main
+    thread's place); their median step times."""
     global _turns
-    turns = _turns = Turns()
+    turns = _turns = Turns("first", "second")
 
-    def other() -> None:
-        turns.begin()
+    def run(name: str, loop) -> None:
+        turns.begin(name)
         try:
-            other_loop()
+            loop()
         finally:
             turns.end()
 
-    thread = threading.Thread(target=other)
-    thread.start()
-    turns.begin()
-    try:
-        main_loop()
-    finally:
-        turns.end()
+    threads = [threading.Thread(target=run, args=("first", first)),
+               threading.Thread(target=run, args=("second", second))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
         thread.join()
-        _turns = None
-    return (statistics.median(turns.times["app"][WARMUP:]),
-            statistics.median(turns.times["plain"][WARMUP:]))
+    _turns = None
+    return (statistics.median(turns.times["first"][WARMUP:]),
+            statistics.median(turns.times["second"][WARMUP:]))
 
 
 def compare(app_overrides: list[str], plain_args: list[str], rounds: int, tmp: Path
@@ -147,8 +143,11 @@ def compare(app_overrides: list[str], plain_args: list[str], rounds: int, tmp: P
     for r in range(rounds):
         run_dir = tmp / f"turns-{abs(hash(tuple(app_overrides)))}-{r}"
         _logging_as_hydra(run_dir)
-        app, plain = _in_turns(lambda d=run_dir: app_train(cfg, d, torch.device("cpu")),
-                               lambda: plain_loop.train(args))
+        app_loop = lambda d=run_dir: app_train(cfg, d, torch.device("cpu"))  # noqa: E731
+        if r % 2 == 0:  # who goes first alternates
+            app, plain = _in_turns(app_loop, lambda: plain_loop.train(args))
+        else:
+            plain, app = _in_turns(lambda: plain_loop.train(args), app_loop)
         apps.append(app)
         plains.append(plain)
     logging.getLogger().handlers.clear()

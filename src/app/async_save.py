@@ -38,6 +38,8 @@ class CheckpointWriter:
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._copied = threading.Event()
         self._copied.set()
+        self.saves = 0
+        self.waited_s = 0.0  # how long the loop was held up by saves (the final wait aside)
 
     def save(self, state: dict[str, Any], path: Path, then: Callable[[], None],
              changed_only_by_step: Iterable[torch.Tensor] = ()) -> float:
@@ -45,10 +47,12 @@ class CheckpointWriter:
         asked; returns the seconds the caller was blocked. The tensors of the state that are
         `changed_only_by_step` are copied in the background, before the next optimizer step."""
         start = time.perf_counter()
+        self.saves += 1
         self.wait()  # the previous write: one copy of the state at a time, files in order
         if not self.background:
             checkpoint.save(state, path)
             then()
+            self.waited_s += time.perf_counter() - start
             return time.perf_counter() - start
         self._defer = {t.data_ptr() for t in changed_only_by_step if t.device.type == "cpu"}
         self._from_cuda = False
@@ -59,11 +63,15 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=self._write, args=(copy, path, then, start),
                                         name="app-checkpoint-writer")
         self._thread.start()
+        self.waited_s += time.perf_counter() - start
         return time.perf_counter() - start
 
     def hold_until_copied(self) -> None:
         """Wait until the background copy is done: call before the deferred tensors change."""
-        self._copied.wait()
+        if not self._copied.is_set():
+            start = time.perf_counter()
+            self._copied.wait()
+            self.waited_s += time.perf_counter() - start
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk; raise its error, if any."""

@@ -14,6 +14,7 @@ the job, which resumes from the checkpoint).
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from typing import Any
 
@@ -35,6 +36,8 @@ class StopRequest:
         self._pending: tuple[Any, torch.Tensor] | None = None
 
     def __enter__(self) -> StopRequest:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python takes signals in the main thread only: nothing to catch here
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         for sig in REQUEUE_SIGNALS:

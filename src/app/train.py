@@ -268,6 +268,10 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                     break
     if bar is not None:
         bar.close()
+    if writer.saves:
+        log.info("%d checkpoint(s) %s; the loop waited %.3f s for them in all",
+                 writer.saves, "written in the background" if t.async_checkpoint else "written",
+                 writer.waited_s)
     if logger is not None:
         logger.close()
         draw_curves(run_dir)
