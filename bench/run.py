@@ -21,7 +21,7 @@ import step_overhead
 from common import BENCH, Stat, app_cmd, machine, paired_ratio, ratio_range, run_probed
 
 REPO = BENCH.parent
-CNN_STEPS, MLP_STEPS, DDP_STEPS = 500, 50, 200
+CNN_STEPS, MLP_STEPS, DDP_STEPS = 400, 50, 200  # CNN: the default job ends at 440
 MLP = {"hidden": [1024, 1024], "num_samples": 16384, "input_shape": [3, 32, 32], "batch": 512}
 
 
