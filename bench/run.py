@@ -292,6 +292,19 @@ Peak resident memory (VmHWM, recorded by the probe at exit) of whole runs as pro
 `python -m app` with the case's settings against `python bench/plain_loop.py`, alternating.
 
 {s['memory']}
+
+## Reading the misses
+
+- Time to first step: PyTorch imports `torch._dynamo` the first time any optimizer is used
+  (`Optimizer.add_param_group` is wrapped by `torch._disable_dynamo`, and every
+  `Optimizer.step` imports it), which costs about as much as importing torch; the floor
+  `import torch, hydra` leaves it out, the plain loop pays it too. The app's own share is
+  Hydra's: its import, two composes (`hydra.main` composes once to read the run mode and once
+  for the run) and the job set-up (see the breakdown).
+- DDP: the plain DDP row is PyTorch's DDP without the app, on the same machine; two
+  processes on two cores share them with gloo's threads, and a gloo all-reduce over the
+  loopback costs about a millisecond here.
+- Step overhead: read the ratio against the control row, whose spread is the resolution.
 """
 
 

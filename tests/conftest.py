@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -95,6 +96,14 @@ def multirun(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, li
     jobs = [json.loads(line) for line in record.read_text().splitlines()] \
         if record.is_file() else []
     return proc, sorted(jobs, key=lambda j: j["num"])  # parallel jobs end in any order
+
+
+def worker_pids(run_dir: Path) -> list[int]:
+    """The pids the workers of a run logged (logs/rank*.log)."""
+    pids = []
+    for log in (run_dir / "logs").glob("rank*.log"):
+        pids += [int(p) for p in re.findall(r"rank \d+ of \d+: pid (\d+)", log.read_text())]
+    return pids
 
 
 def wait_for_rows(run_dir: Path, rows: int, timeout: float = 120) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from conftest import (
     read_metrics,
     run_app,
     wait_for_rows,
+    worker_pids,
 )
 
 FAULTY = [*TINY, "devices=2", "model._target_=faults.FaultyCNN", "distributed.timeout_s=5"]
@@ -33,13 +33,6 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state != "Z"  # a zombie has exited; only its exit status is left
-
-
-def _worker_pids(run_dir: Path) -> list[int]:
-    pids = []
-    for log in (run_dir / "logs").glob("rank*.log"):
-        pids += [int(p) for p in re.findall(r"rank \d+ of \d+: pid (\d+)", log.read_text())]
-    return pids
 
 
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -71,7 +64,7 @@ def test_a_failing_rank_ends_the_job(fault, words, tmp_path) -> None:
         assert "killed by SIGKILL" in output
     if fault == "hang":
         assert "rank(s) 1 did not exit" in output
-    pids = _worker_pids(run_dir)
+    pids = worker_pids(run_dir)
     assert len(pids) == 2 and not [p for p in pids if _alive(p)]
 
 
@@ -88,7 +81,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_is_exact(tmp_path) -> No
     assert "stopped by SIGTERM" in output and "Traceback" not in output
     stopped_at = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
     assert 0 < stopped_at < 12 * 11
-    assert not [p for p in _worker_pids(run_dir) if _alive(p)]
+    assert not [p for p in worker_pids(run_dir) if _alive(p)]
 
     resumed = _start(run_dir, *overrides)  # resume=auto: the same command again
     output, _ = resumed.communicate(timeout=300)
@@ -113,4 +106,4 @@ def test_ctrl_c_stops_every_process_with_a_checkpoint(tmp_path) -> None:
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
     assert "stopped by SIGINT" in output and "Traceback" not in output
     assert load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"] > 0
-    assert not [p for p in _worker_pids(run_dir) if _alive(p)]
+    assert not [p for p in worker_pids(run_dir) if _alive(p)]

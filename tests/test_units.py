@@ -11,7 +11,7 @@ import torch
 
 from app import checkpoint, dist
 from app.build import ResumableSampler, ShardSampler
-from app.config import UserError
+from app.config import AppError, UserError
 from app.loggers import CSVLogger
 from app.runtime import rng_state, set_rng_state
 from app.schedulers import constant, step, warmup_cosine
@@ -40,9 +40,10 @@ def test_failed_write_keeps_previous_file(tmp_path, monkeypatch) -> None:
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(OSError):
+    with pytest.raises(AppError, match="could not be written .* already on disk are intact"):
         checkpoint.save({"model": {"w": torch.zeros(2)}}, path)
     assert torch.equal(checkpoint.load(path)["model"]["w"], torch.ones(2))
+    assert not list(tmp_path.glob(".*.tmp"))  # the partial file is gone
 
 
 def test_prune_keeps_newest_and_named_links(tmp_path) -> None:

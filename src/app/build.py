@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from app import checkpoint, dist
 from app.config import AppConfig, UserError
 from app.data import DataModule
+from app.data_errors import NamedItems
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +170,11 @@ def _loader_options(data: DataModule) -> dict[str, Any]:
 
 def build_train_loader(data: DataModule, seed: int) -> tuple[DataLoader, ResumableSampler]:
     sampler = ResumableSampler(data.train, seed)
-    loader = DataLoader(data.train, batch_size=data.batch_size, sampler=sampler,
-                        drop_last=True, **_loader_options(data))
+    loader = DataLoader(NamedItems(data.train, "training"), batch_size=data.batch_size,
+                        sampler=sampler, drop_last=True, **_loader_options(data))
     return loader, sampler
 
 
 def build_val_loader(data: DataModule) -> DataLoader:
-    return DataLoader(data.val, batch_size=data.val_batch_size,
+    return DataLoader(NamedItems(data.val, "validation"), batch_size=data.val_batch_size,
                       sampler=ShardSampler(data.val), **_loader_options(data))

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from app.errors import UserError
+from app.errors import AppError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +36,25 @@ def _fsync_dir(path: Path) -> None:
 def save(state: dict[str, Any], path: Path) -> None:
     """Write `state` to `path` atomically: temporary file, flush, fsync, rename. On failure
     (a full or read-only disk) the temporary file is removed and the error raised."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+        _fsync_dir(path.parent)
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        # A full or read-only disk, a quota, a file size limit: the user's to fix. (torch.save
+        # reports a failed write as a RuntimeError from its zip writer.)
+        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "unexpected pos" in str(e)):
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else \
+                "a write failed: is the disk full?"
+            raise AppError(f"checkpoint {path} could not be written ({reason}); the "
+                           f"checkpoints already on disk are intact") from e
         raise
-    _fsync_dir(path.parent)
 
 
 def link(source: Path, name: Path) -> None:
@@ -83,12 +90,39 @@ def load(path: str | Path) -> dict[str, Any]:
         raise UserError(f"checkpoint {path}: file not found")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError) as e:
+    except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError,
+            OSError) as e:
+        if "Weights only load failed" in str(e):
+            raise UserError(
+                f"checkpoint {path}: refused: it holds Python objects other than tensors and "
+                f"plain values, and loading those could run code (nothing was run). Load only "
+                f"checkpoints written by app, or by code you trust") from e
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"checkpoint {path}: not a readable checkpoint ({first_line})") from e
     if not isinstance(state, dict) or "model" not in state:
         raise UserError(f"checkpoint {path}: not an app checkpoint (no 'model' entry)")
     return state
+
+
+def latest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint of a run directory that loads: last.pt, else the periodic ones,
+    newest first; each that does not load is named in a warning. None when there is no
+    checkpoint at all; an error when there are some and none loads (a run is never silently
+    started afresh over checkpoints that exist)."""
+    candidates = [directory / "last.pt", *sorted(directory.glob("step-*.pt"), reverse=True)]
+    bad = []
+    for path in (c for c in candidates if c.is_file()):
+        try:
+            return path, load(path)
+        except UserError as e:
+            reason = str(e).removeprefix(f"checkpoint {path}: ")
+            log.warning("resume: skipping %s: %s", path, reason)
+            bad.append(f"{path.name}: {reason}")
+    if bad:
+        raise UserError(f"resume=auto: no checkpoint in {directory} can be loaded "
+                        f"({'; '.join(bad)}); move them away to start afresh, or give one "
+                        f"with resume=PATH")
+    return None
 
 
 def inference_weights(state: dict[str, Any]) -> dict[str, Any]:
@@ -133,3 +167,22 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
             f"It was trained with model={trained}; use the same model settings"
         )
     model.load_state_dict(theirs)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                         path: str | Path, current: dict[str, Any]) -> None:
+    """Resume the optimizer; a checkpoint of another optimizer is an error naming both."""
+    trained = (state.get("config") or {}).get("optimizer") or {}
+    if trained.get("_target_", current.get("_target_")) != current.get("_target_"):
+        raise UserError(
+            f"checkpoint {path} was trained with optimizer {trained.get('_target_')}, this run "
+            f"has {current.get('_target_')}: resume with the same optimizer, or start a new "
+            f"schedule from its weights with ckpt={path} resume=null")
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise UserError(
+            f"checkpoint {path}: its optimizer state does not fit this run's optimizer ({e}). "
+            f"It was trained with optimizer={trained}, this run has optimizer={dict(current)}; "
+            f"resume with the same settings, or start a new schedule from its weights with "
+            f"ckpt={path} resume=null") from e

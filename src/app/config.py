@@ -50,6 +50,7 @@ class TrainerConfig:
     export_tolerance: float = 1e-5
     accumulate_grad_batches: int = 1
     grad_clip_norm: float | None = None
+    skip_nonfinite: bool = False
     ema_decay: float = 0.9998
     ema_warmup_steps: int = 2000
     decay_norm_and_bias: bool = False

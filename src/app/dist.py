@@ -5,12 +5,18 @@ The loop calls these unconditionally, so it never branches on "am I distributed"
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import socket
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as tdist
+
+from app.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +28,44 @@ _local_group: Any = None
 _control_group: Any = None
 
 
+def _rendezvous(url: str, rank: int, world_size: int, timeout: timedelta) -> dict[str, Any]:
+    """How to meet the other ranks. For tcp://IP:PORT, rank 0 serves the store on that address
+    only (PyTorch's own store listens on every interface), and with a loopback IP gloo's
+    connections stay on the loopback too: a one-machine run (dist_url=auto: 127.0.0.1) cannot
+    be reached from the network. A host name keeps PyTorch's behaviour: this machine may
+    resolve its own name to another address (127.0.1.1 on Debian) than its peers do."""
+    parsed = urlparse(url)
+    try:
+        ip = ipaddress.ip_address(parsed.hostname or "")
+    except ValueError:
+        ip = None
+    if parsed.scheme != "tcp" or ip is None or not parsed.port:
+        return {"init_method": url}
+    if ip.is_loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if rank != 0:
+        return {"store": tdist.TCPStore(str(ip), parsed.port, world_size, is_master=False,
+                                        timeout=timeout)}
+    listener = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((str(ip), parsed.port))
+    except OSError as e:
+        listener.close()
+        raise UserError(f"dist_url={url}: rank 0 cannot listen there ({e.strerror}): the "
+                        f"address must be one of machine 0 (machine_rank=0), the port free") from e
+    listener.listen()
+    return {"store": tdist.TCPStore(str(ip), parsed.port, world_size, is_master=True,
+                                    timeout=timeout,
+                                    master_listen_fd=listener.detach())}  # the store's now
+
+
 def init(backend: str, url: str, rank: int, world_size: int, local_rank: int,
          local_world_size: int, timeout_s: float) -> None:
     global _local_rank, _local_group, _control_group
-    tdist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size,
-                             timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    tdist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                             **_rendezvous(url, rank, world_size, timeout))
     _local_rank = local_rank
     # Every rank must create every group, in the same order.
     machine = rank // local_world_size
@@ -81,21 +120,24 @@ def barrier() -> None:
         tdist.barrier()
 
 
-def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
-    """The mean of `value` over all ranks (a new tensor; `value` is left alone)."""
-    if not initialized():
-        return value.clone()
+def _all_reduce(value: torch.Tensor, op: Any) -> torch.Tensor:
+    """`value` reduced with `op` over all ranks (a new tensor; `value` is left alone)."""
     out = value.clone()
-    tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
-    return out / world_size()
+    if initialized():
+        tdist.all_reduce(out, op=op)
+    return out
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    return _all_reduce(value, tdist.ReduceOp.SUM) / world_size()
+
+
+def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
+    return _all_reduce(value, tdist.ReduceOp.MAX)
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    if not initialized():
-        return value.clone()
-    out = value.clone()
-    tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
-    return out
+    return _all_reduce(value, tdist.ReduceOp.SUM)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

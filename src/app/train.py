@@ -30,7 +30,7 @@ from app.evaluate import evaluate
 from app.loggers import MetricLogger
 from app.runtime import rng_state, seed_everything, set_rng_state
 from app.stop import StopRequest
-from app.train_step import TrainStep
+from app.train_step import FiniteLosses, TrainStep
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +63,6 @@ def _changed_only_by_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     if ema is not None:
         tensors += list(ema.module.state_dict().values())
     return tensors
-
-
-def _resume_path(cfg: AppConfig, run_dir: Path) -> Path | None:
-    if cfg.resume is None:
-        return None
-    if cfg.resume == "auto":
-        last = run_dir / "checkpoints" / "last.pt"
-        return last if last.is_file() else None
-    return Path(cfg.resume)
 
 
 def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
@@ -121,7 +112,9 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     # backward run; the update that changes them waits for that copy.
     writer = CheckpointWriter(background=t.async_checkpoint)
     train_step = TrainStep(model, train_model, optimizer, scheduler, device, cfg.precision,
-                           t.grad_clip_norm, ema, before_update=writer.hold_until_copied)
+                           t.grad_clip_norm, ema, before_update=writer.hold_until_copied,
+                           skip_nonfinite=t.skip_nonfinite)
+    losses = FiniteLosses()
     eval_model = ema.module if ema is not None else model  # EMA weights validate when enabled
 
     def finished() -> bool:
@@ -131,11 +124,14 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     # Resume (everything, exactly) or load weights only (a new schedule), or start fresh.
     step = epoch = batch_in_epoch = 0
     best: float | None = None
-    resume_from = _resume_path(cfg, run_dir)
+    resume_from, state = None, None
+    if cfg.resume == "auto":
+        resume_from, state = checkpoint.latest_valid(run_dir / "checkpoints") or (None, None)
+    elif cfg.resume is not None:
+        resume_from, state = Path(cfg.resume), checkpoint.load(cfg.resume)
     if resume_from is not None:
-        state = checkpoint.load(resume_from)
         checkpoint.load_model_weights(model, state, resume_from)
-        optimizer.load_state_dict(state["optimizer"])
+        checkpoint.load_optimizer_state(optimizer, state, resume_from, cfg.optimizer)
         scheduler.load_state_dict(state["scheduler"])
         train_step.load_state_dict(state.get("train_step", {}))
         step, epoch, batch_in_epoch = (state["loop"][k] for k in ("step", "epoch", "batch"))
@@ -221,6 +217,8 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
             for _ in range(steps_per_epoch - batch_in_epoch):
                 loss = train_step([next(micro_batches) for _ in range(accumulate)])
                 step += 1
+                if not t.skip_nonfinite:
+                    losses.check(loss, step)  # raises for an earlier step's non-finite loss
                 batch_in_epoch += 1
                 epoch_end = batch_in_epoch == steps_per_epoch
                 if epoch_end:
@@ -257,6 +255,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                 stopping = stop.should_stop()
                 if done or stopping or is_best or _every(t.ckpt_every_n_steps, step) or (
                         epoch_end and _every(t.ckpt_every_n_epochs, epoch)):
+                    losses.flush()  # never a checkpoint of weights a non-finite loss made
                     save(val_metrics, is_best, last=done or stopping)
                 if stopping:
                     stop.requeue()  # when a job system asked for it (submitit on SLURM)
@@ -268,6 +267,9 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                     break
     if bar is not None:
         bar.close()
+    if train_step.skipped:
+        log.warning("%d step(s) skipped for a non-finite loss (trainer.skip_nonfinite=true)",
+                    train_step.skipped)
     if writer.saves:
         log.info("%d checkpoint(s) %s; the loop waited %.3f s for them in all",
                  writer.saves, "written in the background" if t.async_checkpoint else "written",

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app import dist
 from app.ema import ModelEMA
-from app.errors import UserError
+from app.errors import AppError, UserError
 
 
 def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -29,17 +30,29 @@ def check_precision(precision: str, device: torch.device) -> None:
                         "scaling are for GPUs); on the CPU use precision=bf16-mixed")
 
 
+def _finite_everywhere(loss: torch.Tensor) -> bool:
+    """Whether the loss is finite on every rank (one waits for the device, and with several
+    ranks, a small all-reduce): all ranks must skip the same steps, or the weights part."""
+    bad = (~torch.isfinite(loss)).to(torch.int32)
+    if dist.world_size() > 1:
+        bad = dist.all_reduce_max(bad)
+    return not bool(bad)
+
+
 class TrainStep:
     def __init__(self, model: nn.Module, train_model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, device: torch.device, precision: str,
                  grad_clip_norm: float | None, ema: ModelEMA | None,
-                 before_update: Callable[[], None] = lambda: None) -> None:
+                 before_update: Callable[[], None] = lambda: None,
+                 skip_nonfinite: bool = False) -> None:
         check_precision(precision, device)
         self.model, self.train_model = model, train_model
         self.optimizer, self.scheduler = optimizer, scheduler
         self.device, self.precision = device, precision
         self.grad_clip_norm, self.ema = grad_clip_norm, ema
         self.before_update = before_update  # called before weights, optimizer state, EMA change
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped = 0  # steps skipped for a non-finite loss
         self.input_dtype = torch.bfloat16 if precision == "bf16-true" else None
         # Loss scaling keeps small float16 gradients from flushing to zero.
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
@@ -70,6 +83,11 @@ class TrainStep:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients
             nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+        if self.skip_nonfinite and not _finite_everywhere(total):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()  # the schedule keeps to the loop's step count
+            self.skipped += 1
+            return total
         self.before_update()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -84,9 +102,10 @@ class TrainStep:
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict() if self.scaler else None,
-                "ema": self.ema.state_dict() if self.ema else None}
+                "ema": self.ema.state_dict() if self.ema else None, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped = state.get("skipped", 0)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None:
@@ -94,3 +113,29 @@ class TrainStep:
                 self.ema.load_state_dict(state["ema"])
             else:  # resuming a run that had no EMA: start the average from here
                 self.ema.module.load_state_dict(self.model.state_dict())
+
+
+class FiniteLosses:
+    """Stops training at a non-finite loss, naming its step, without waiting for the device
+    each step: a step's check is read one step later (or before a checkpoint: `flush`)."""
+
+    def __init__(self) -> None:
+        self.pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    def check(self, loss: torch.Tensor, step: int) -> None:
+        previous, self.pending = self.pending, (torch.isfinite(loss), loss, step)
+        if previous is not None:
+            self._raise_unless_finite(*previous)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self._raise_unless_finite(*self.pending)
+            self.pending = None
+
+    @staticmethod
+    def _raise_unless_finite(finite: torch.Tensor, loss: torch.Tensor, step: int) -> None:
+        if not bool(finite):
+            raise AppError(
+                f"the training loss was {loss.item()} at step {step}: training stopped, and no "
+                f"checkpoint was written after it. Lower optimizer.lr, check the data, or set "
+                f"trainer.skip_nonfinite=true to skip such steps")

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from app import dist
 from app.config import AppConfig, AppError, Mode
+from app.data_errors import loader_worker_died
 from app.runtime import apply_runtime_flags, backend_for, select_device
 from app.worker_logging import FAILURE_LOGGER, setup_rank_logging
 
@@ -48,7 +49,15 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         from app.predict import run_predict as run
     else:
         from app.export import run_export as run
-    return run(cfg, run_dir, device)
+    try:
+        return run(cfg, run_dir, device)
+    except RuntimeError as e:
+        died = loader_worker_died(e)
+        if died is None:
+            raise
+        # The loader's SIGCHLD handler would raise again as its other workers exit.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        raise died from e
 
 
 def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank) -> float | None:

@@ -1,7 +1,9 @@
-"""A model that misbehaves on one rank at one step: the fault injector of the fail-fast tests.
+"""A model that misbehaves on one rank at one step, and a data set with one bad item: the
+fault injectors of the fail-fast and reliability tests.
 
-It is a user's custom component (`model._target_=faults.FaultyCNN`, with this folder on
-PYTHONPATH), so the product needs no test hooks of its own.
+They are user components (`model._target_=faults.FaultyCNN`,
+`data._target_=faults.FaultyDigits`, with this folder on PYTHONPATH), so the product needs no
+test hooks of its own.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import signal
 import time
 
 import torch
+from torch.utils.data import Dataset
 
 from app import dist
+from app.data import Digits
 from app.models import CNN
 
 
@@ -32,4 +36,30 @@ class FaultyCNN(CNN):
                     os.kill(os.getpid(), signal.SIGKILL)
                 if self.fault == "hang":
                     time.sleep(3600)
+                if self.fault == "nan_loss":
+                    return super().forward(x) * float("nan")
         return super().forward(x)
+
+
+class _FaultyItems(Dataset):
+    def __init__(self, inner: Dataset, fault: str, index: int) -> None:
+        self.inner, self.fault, self.index = inner, fault, index
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        if i == self.index:
+            if self.fault == "raise":
+                raise ValueError("corrupt sample")
+            if self.fault == "kill":  # (in a loader worker: the worker dies)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner[i]
+
+
+class FaultyDigits(Digits):
+    """Digits whose training item `fault_index` raises, or kills the process loading it."""
+
+    def __init__(self, fault: str, fault_index: int = 7, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.train = _FaultyItems(self.train, fault, fault_index)
