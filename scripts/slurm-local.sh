@@ -90,7 +90,10 @@ up() {
   install_packages
   write_config
   start_munge
-  controller_up || { rm -f /run/slurmctld.pid; slurmctld; }
+  # A fresh controller starts with its saved state cleared (-c): jobs left in
+  # StateSaveLocation by an earlier cluster (a reboot, a killed CI run) would otherwise hold
+  # the nodes ALLOCATED and never release them, since nothing runs them any more.
+  controller_up || { rm -f /run/slurmctld.pid; slurmctld -c; }
   for node in "${NODES[@]}"; do
     pgrep -f "slurmd -N $node" >/dev/null || slurmd -N "$node"
   done
