@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 STAMP := .installed
 
-.PHONY: help install run test bench lint clean slurm-up slurm-down
+.PHONY: help install run test test-slow bench lint clean slurm-up slurm-down
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -24,6 +24,9 @@ run: $(STAMP)  ## train the default job (CNN on digits) into outputs/
 
 test: $(STAMP)  ## run the test suite
 	$(PYTHON) -m pytest
+
+test-slow: $(STAMP)  ## the slow fault trials: SIGKILL during checkpoints, a soak, override fuzzing
+	$(PYTHON) -m pytest -m slow -s
 
 bench: $(STAMP)  ## benchmarks against baselines, side by side; writes BENCHMARKS.md
 	$(PYTHON) bench/run.py

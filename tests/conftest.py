@@ -31,6 +31,13 @@ TINY = [
     "trainer.progress_bar=false",
 ]
 
+# A model whose checkpoint takes a while to write (~64 MB), saved after every step.
+BIG = ["model=mlp", "model.hidden=[4096]", "data=synthetic", "data.input_shape=[4096]",
+       "data.num_samples=400", "data.batch_size=16", "trainer.max_epochs=null",
+       "trainer.max_steps=30", "trainer.val_every_n_epochs=null",
+       "trainer.ckpt_every_n_steps=1", "trainer.ckpt_every_n_epochs=null",
+       "trainer.keep_last=2", "trainer.progress_bar=false"]
+
 
 def make_config(*overrides: str) -> AppConfig:
     """The typed config `python -m app OVERRIDES` would run, composed in this process."""
@@ -104,6 +111,22 @@ def worker_pids(run_dir: Path) -> list[int]:
     for log in (run_dir / "logs").glob("rank*.log"):
         pids += [int(p) for p in re.findall(r"rank \d+ of \d+: pid (\d+)", log.read_text())]
     return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie has exited; only its exit status is left
+
+
+def still_alive(pids: list[int], timeout: float = 60) -> list[int]:
+    """The pids among `pids` that are still running after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
 
 
 def wait_for_rows(run_dir: Path, rows: int, timeout: float = 120) -> None:

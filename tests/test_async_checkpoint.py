@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from app.async_save import CheckpointWriter
-from conftest import REPO, assert_ok, load_state, run_app
+from conftest import BIG, REPO, assert_ok, load_state, run_app
 
 
 def _state() -> dict:
@@ -75,14 +75,6 @@ def test_a_failed_write_is_raised_and_leaves_no_file(tmp_path) -> None:
     writer.save(_state(), tmp_path / "b.pt", then=lambda: None)
     writer.wait()
     assert (tmp_path / "b.pt").is_file() and not list(tmp_path.rglob("*.tmp"))
-
-
-# A model whose checkpoint takes a while to write (~64 MB), saved after every step.
-BIG = ["model=mlp", "model.hidden=[4096]", "data=synthetic", "data.input_shape=[4096]",
-       "data.num_samples=400", "data.batch_size=16", "trainer.max_epochs=null",
-       "trainer.max_steps=30", "trainer.val_every_n_epochs=null",
-       "trainer.ckpt_every_n_steps=1", "trainer.ckpt_every_n_epochs=null",
-       "trainer.keep_last=2", "trainer.progress_bar=false"]
 
 
 def _kill_during_a_write(run_dir: Path) -> Path | None:

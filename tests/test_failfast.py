@@ -15,6 +15,7 @@ from conftest import (
     HELPERS,
     REPO,
     TINY,
+    alive,
     assert_ok,
     assert_same_weights,
     load_state,
@@ -25,14 +26,6 @@ from conftest import (
 )
 
 FAULTY = [*TINY, "devices=2", "model._target_=faults.FaultyCNN", "distributed.timeout_s=5"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"  # a zombie has exited; only its exit status is left
 
 
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -65,7 +58,7 @@ def test_a_failing_rank_ends_the_job(fault, words, tmp_path) -> None:
     if fault == "hang":
         assert "rank(s) 1 did not exit" in output
     pids = worker_pids(run_dir)
-    assert len(pids) == 2 and not [p for p in pids if _alive(p)]
+    assert len(pids) == 2 and not [p for p in pids if alive(p)]
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_resume_is_exact(tmp_path) -> None:
@@ -81,7 +74,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_is_exact(tmp_path) -> No
     assert "stopped by SIGTERM" in output and "Traceback" not in output
     stopped_at = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
     assert 0 < stopped_at < 12 * 11
-    assert not [p for p in worker_pids(run_dir) if _alive(p)]
+    assert not [p for p in worker_pids(run_dir) if alive(p)]
 
     resumed = _start(run_dir, *overrides)  # resume=auto: the same command again
     output, _ = resumed.communicate(timeout=300)
@@ -106,4 +99,4 @@ def test_ctrl_c_stops_every_process_with_a_checkpoint(tmp_path) -> None:
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
     assert "stopped by SIGINT" in output and "Traceback" not in output
     assert load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"] > 0
-    assert not [p for p in worker_pids(run_dir) if _alive(p)]
+    assert not [p for p in worker_pids(run_dir) if alive(p)]

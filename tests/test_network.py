@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, TINY, wait_for_rows, worker_pids
+from conftest import REPO, TINY, still_alive, wait_for_rows, worker_pids
 
 
 def _listening(pids: list[int]) -> list[tuple[str, int]]:
@@ -55,9 +55,12 @@ def test_a_one_machine_run_listens_on_the_loopback_only(tmp_path) -> None:
     proc = _start(run_dir, "devices=2")
     try:
         wait_for_rows(run_dir, 5)
-        sockets = _listening([proc.pid, *worker_pids(run_dir)])
+        workers = worker_pids(run_dir)
+        sockets = _listening([proc.pid, *workers])
     finally:
         _stop(proc)
+    # The launcher died by SIGKILL: its workers (children of the forkserver) must follow it.
+    assert len(workers) == 2 and not still_alive(workers)
     assert sockets, "no listening socket found: the rendezvous store should be one"
     assert all(ipaddress.ip_address(a).is_loopback for a, _ in sockets), sockets
 
@@ -71,8 +74,10 @@ def test_a_multi_machine_run_listens_where_dist_url_says(tmp_path) -> None:
                 for r in (0, 1)]
     try:
         wait_for_rows(tmp_path / "run", 5)
-        sockets = _listening([*(p.pid for p in machines), *worker_pids(tmp_path / "run")])
+        workers = worker_pids(tmp_path / "run")
+        sockets = _listening([*(p.pid for p in machines), *workers])
     finally:
         _stop(*machines)
+    assert len(workers) == 2 and not still_alive(workers)
     assert ("127.0.0.1", port) in sockets, sockets
     assert all(ipaddress.ip_address(a).is_loopback for a, _ in sockets), sockets

@@ -7,13 +7,16 @@ defaults list, so a misspelt key or a wrong type fails at compose time. Object g
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
 
 from app.errors import AppError, UserError  # noqa: F401 (the config's errors, re-exported)
 
@@ -119,9 +122,36 @@ def to_app_config(composed: Any) -> AppConfig:
         composed = composed.copy()
         with read_write(composed), open_dict(composed):
             del composed["hydra"]
-    cfg = OmegaConf.to_object(composed)
+    unknown = _unknown_keys(composed)
+    if unknown:
+        raise UserError(unknown[0])
+    try:
+        cfg = OmegaConf.to_object(composed)
+    except OmegaConfBaseException as e:  # a bad interpolation such as seed=${oops}
+        key, first_line = getattr(e, "full_key", None), str(e.msg).splitlines()[0]
+        raise UserError(f"{key}: {first_line}" if key else first_line) from None
     validate(cfg)
     return cfg
+
+
+def _unknown_keys(node: DictConfig, path: str = "") -> list[str]:
+    """Keys a `+key=value` override added to a typed section: the schema has no such field, so
+    without this check the value would be ignored without a word."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return []  # model, data, optimizer, scheduler: free-form `_target_` nodes
+    names = [f.name for f in dataclasses.fields(schema)]
+    found = []
+    for key in node.keys():
+        full = f"{path}{key}"
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {path}{near[0]}?)" if near else ""
+            found.append(f"{full}: not a key of the config{hint}; "
+                         f"`python -m app --cfg job` prints every key")
+        elif isinstance(child := node._get_node(key), DictConfig):
+            found += _unknown_keys(child, f"{full}.")
+    return found
 
 
 def register_schemas() -> None:
@@ -186,6 +216,8 @@ def validate(cfg: AppConfig) -> None:
             raise UserError(f"{group}: needs a `_target_` node; pick one with {group}=NAME")
     for key in ("lr", "weight_decay", "momentum"):
         value = cfg.optimizer.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise UserError(f"optimizer.{key}={value!r}: expected a number")
         if isinstance(value, int | float) and value < 0:
             raise UserError(f"optimizer.{key}={value}: must not be negative")
     if cfg.optimizer.get("lr") == 0:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from app.checks import whole, widths
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,10 @@ class DataModule:
     def __init__(self, batch_size: int, val_batch_size: int | None, num_workers: int,
                  pin_memory: bool = True, persistent_workers: bool = True,
                  cache: bool = False) -> None:
-        if batch_size <= 0:
-            raise UserError(f"data.batch_size={batch_size}: must be positive")
-        if num_workers < 0:
-            raise UserError(f"data.num_workers={num_workers}: must be 0 or more")
+        whole("data.batch_size", batch_size, 1)
+        if val_batch_size is not None:
+            whole("data.val_batch_size", val_batch_size, 1)
+        whole("data.num_workers", num_workers, 0)
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers = num_workers
@@ -189,12 +190,11 @@ class Synthetic(DataModule):
     ) -> None:
         super().__init__(batch_size, val_batch_size, num_workers, pin_memory,
                          persistent_workers, cache)
-        if num_samples < 2 or num_classes < 2 or any(int(d) <= 0 for d in input_shape):
-            raise UserError(
-                f"data: num_samples={num_samples}, num_classes={num_classes} and "
-                f"input_shape={list(input_shape)} must be at least 2, 2 and positive"
-            )
-        self.input_shape = tuple(int(d) for d in input_shape)
+        whole("data.num_samples", num_samples, 2)
+        whole("data.num_classes", num_classes, 2)
+        self.input_shape = tuple(widths("data.input_shape", input_shape))
+        if not self.input_shape:
+            raise UserError("data.input_shape=[]: give at least one dimension")
         self.num_classes = num_classes
         g = torch.Generator().manual_seed(data_seed)
         x = torch.randn(num_samples, *self.input_shape, generator=g)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +29,24 @@ class CSVLogger:
         self.rows: list[dict[str, Any]] = []
         self.columns = list(KEY_COLUMNS)
         if resume_step is not None and path.is_file():
-            with open(path, newline="") as f:
-                reader = csv.DictReader(f)
-                self.columns = list(reader.fieldnames or KEY_COLUMNS)
-                self.rows = [r for r in reader if int(r["step"]) <= resume_step]
+            text = path.read_text()
+            # A run killed while appending can leave a partial last line: it is dropped.
+            lines = text.splitlines(keepends=True)
+            if lines and not lines[-1].endswith("\n"):
+                lines.pop()
+            reader = csv.DictReader(lines)
+            self.columns = list(reader.fieldnames or KEY_COLUMNS)
+            self.rows = [r for r in reader if int(r["step"]) <= resume_step]
         self._rewrite()
 
     def _rewrite(self) -> None:
-        with open(self.path, "w", newline="") as f:
+        # Written aside and renamed: a kill mid-write leaves the previous table, not half of it.
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=self.columns)
             writer.writeheader()
             writer.writerows(self.rows)
+        os.replace(tmp, self.path)
 
     def log(self, step: int, epoch: int, split: str, metrics: dict[str, float]) -> None:
         row = {"step": step, "epoch": epoch, "split": split, **metrics}

@@ -10,6 +10,7 @@ import math
 
 from torch import Tensor, nn
 
+from app.checks import widths
 from app.errors import UserError
 
 
@@ -32,6 +33,7 @@ class CNN(nn.Module):
                 f"{list(input_shape)}; use model=mlp"
             )
         in_channels, height, width = input_shape
+        channels = widths("model.channels", channels)
         if min(height, width) < 2 ** len(channels):
             raise UserError(
                 f"model.channels={list(channels)}: {len(channels)} blocks halve {height}x{width} "
@@ -72,6 +74,7 @@ class MLP(nn.Module):
         super().__init__()
         if not 0 <= dropout < 1:
             raise UserError(f"model.dropout={dropout}: must lie in [0, 1)")
+        hidden = widths("model.hidden", hidden)
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(input_shape)
         for size in hidden:

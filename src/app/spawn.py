@@ -101,14 +101,20 @@ def spawn(cfg: AppConfig, run_dir: Path, kind: str, devices: int, url: str) -> f
     log.info("starting %d workers (%s, ranks %d-%d of %d, rendezvous %s)", devices,
              cfg.distributed.start_method, base_rank, base_rank + devices - 1,
              devices * cfg.nodes, url)
-    with tempfile.TemporaryDirectory(prefix="app-workers-") as report_dir:
+    # Workers of a forkserver are its children, not ours, so PR_SET_PDEATHSIG cannot tell them
+    # that this process died, and the server lives as long as they do: each worker instead
+    # watches the read end of this pipe, which reaches end-of-file when we exit in any way.
+    launcher_alive, keep_open = ctx.Pipe(duplex=False)
+    with tempfile.TemporaryDirectory(prefix="app-workers-") as report_dir, keep_open:
         procs = [ctx.Process(target=spawned_worker, name=f"app-rank{base_rank + i}",
-                             args=(i, cfg, run_dir, kind, devices, url, report_dir))
+                             args=(i, cfg, run_dir, kind, devices, url, report_dir,
+                                   launcher_alive))
                  for i in range(devices)]
         killed: set[int] = set()
         with _ParentSignals() as signals:
             for proc in procs:
                 proc.start()
+            launcher_alive.close()
             failed_at = asked_at = None
             while any(p.is_alive() for p in procs):
                 multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()],

@@ -7,8 +7,10 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -73,18 +75,29 @@ def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank) -> float | None
         dist.destroy()
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to send SIGTERM to this worker when its parent dies: no orphans."""
-    if sys.platform.startswith("linux"):
+def _die_with_launcher(launcher_alive: Connection) -> None:
+    """SIGTERM this worker when the launching process dies, however it dies (the stop path:
+    the ranks agree on a step and checkpoint, as on a SIGTERM from outside): no orphans."""
+    if sys.platform.startswith("linux"):  # a child of the launcher (fork, spawn)
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
+    def watch() -> None:  # a child of the forkserver: the launcher's pipe ends
+        try:
+            launcher_alive.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        log.warning("the launching process is gone: stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="app-launcher-watch", daemon=True).start()
+
 
 def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, kind: str, devices: int,
-                   url: str, report_dir: str) -> None:
+                   url: str, report_dir: str, launcher_alive: Connection) -> None:
     """The target of each local worker process."""
-    _die_with_parent()
+    _die_with_launcher(launcher_alive)
     me = Rank(cfg.machine_rank * devices + local_rank, devices * cfg.nodes, local_rank,
               devices, url)
     # The same variables torchrun sets, for code that reads them.

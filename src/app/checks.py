@@ -1,0 +1,32 @@
+"""Argument checks of the built-in components: a wrong value is a UserError naming its key
+(`model.channels=8: ...`), not a TypeError from deep inside PyTorch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.errors import UserError
+
+
+def whole(key: str, value: Any, minimum: int) -> int:
+    """`value` as a whole number >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{key}={value}: expected a whole number")
+    if value < minimum:
+        raise UserError(f"{key}={value}: must be {minimum} or more")
+    return value
+
+
+def widths(key: str, value: Any) -> list[int]:
+    """`value` as a list of positive whole numbers (layer widths, a shape)."""
+    try:
+        items = list(value)
+        if isinstance(value, str):
+            raise TypeError
+    except TypeError:
+        raise UserError(f"{key}={value}: expected a list of positive whole numbers, "
+                        f"such as [16,32]") from None
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+            raise UserError(f"{key}={items}: each entry must be a positive whole number")
+    return items

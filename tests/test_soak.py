@@ -1,0 +1,82 @@
+"""Soak (slow): consecutive short devices=2 runs, each interrupted by SIGTERM or SIGKILL to the
+launching process at a random moment and resumed until done. Every run reaches the weights
+and metrics of an uninterrupted run; no process of an interrupted run outlives it (workers
+are children of the forkserver, not of the launcher: they must notice on their own), and no
+shared-memory segment is left behind."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY, assert_ok, assert_same_weights, read_metrics, run_app
+
+RUNS = 30
+SOAK = [*TINY, "devices=2", "trainer.max_epochs=2", "trainer.ckpt_every_n_steps=4",
+        "trainer.ckpt_every_n_epochs=null"]
+
+
+def _session(sid: int) -> list[str]:
+    """The processes of session `sid` (a launcher started in its own session, and all it
+    started: forkserver, workers, loader workers, resource tracker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields[3]: session id
+            found.append(f"{entry.name} {cmd}")
+    return found
+
+
+def _interrupt(run_dir: Path, sig: int, after: float) -> int:
+    proc = subprocess.Popen([sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *SOAK],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        proc.wait(timeout=after)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(sig)  # to the launcher alone, as a scheduler or `kill PID` does
+        proc.wait(timeout=120)
+    deadline = time.monotonic() + 60
+    while _session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _session(proc.pid)
+    assert not left, f"{signal.Signals(sig).name} after {after:.1f} s left: {left}"
+    return proc.returncode
+
+
+@pytest.mark.slow
+def test_interrupted_runs_resume_to_the_same_weights_and_leave_nothing_behind(tmp_path) -> None:
+    shm_before = set(os.listdir("/dev/shm"))
+    rng = random.Random(7)
+    started = time.monotonic()
+    reference = assert_ok(run_app(tmp_path / "reference", *SOAK)).run_dir
+    duration = time.monotonic() - started
+    codes: dict[str, int] = {}
+    for i in range(RUNS):
+        run_dir = tmp_path / f"run{i}"
+        sig = rng.choice([signal.SIGTERM, signal.SIGKILL])
+        code = _interrupt(run_dir, sig, rng.uniform(0.2, duration))
+        codes[f"{signal.Signals(sig).name} -> {code}"] = codes.get(
+            f"{signal.Signals(sig).name} -> {code}", 0) + 1
+        if code != 0:
+            assert_ok(run_app(run_dir, *SOAK))  # resume=auto: the same command again
+        assert_same_weights(reference / "checkpoints" / "last.pt",
+                            run_dir / "checkpoints" / "last.pt")
+        assert read_metrics(run_dir) == read_metrics(reference)
+    leaked = set(os.listdir("/dev/shm")) - shm_before
+    assert not leaked, f"shared memory left behind: {sorted(leaked)}"
+    print(f"soak: {RUNS} devices=2 runs interrupted (exit codes: {codes}), all resumed to the "
+          f"reference weights, no process or /dev/shm entry left")
