@@ -40,12 +40,17 @@ def _session(sid: int) -> list[str]:
     return found
 
 
-def _interrupt(run_dir: Path, sig: int, after: float) -> int:
+def _interrupt(run_dir: Path, sig: int, after: float) -> tuple[int, float | None]:
+    """Start a run, send `sig` to its launcher after `after` s; the exit status, and the run's
+    duration when it finished before the signal. Nothing of it may outlive it."""
+    started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *SOAK],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
+    finished_in = None
     try:
         proc.wait(timeout=after)
+        finished_in = time.monotonic() - started
     except subprocess.TimeoutExpired:
         proc.send_signal(sig)  # to the launcher alone, as a scheduler or `kill PID` does
         proc.wait(timeout=120)
@@ -54,7 +59,8 @@ def _interrupt(run_dir: Path, sig: int, after: float) -> int:
         time.sleep(0.1)
     left = _session(proc.pid)
     assert not left, f"{signal.Signals(sig).name} after {after:.1f} s left: {left}"
-    return proc.returncode
+    assert finished_in is None or proc.returncode == 0, f"failed: exit {proc.returncode}"
+    return proc.returncode, finished_in
 
 
 @pytest.mark.slow
@@ -71,9 +77,11 @@ def test_interrupted_runs_resume_to_the_same_weights_and_leave_nothing_behind(tm
         assert runs <= 2 * RUNS, f"only {interrupted} of {runs} runs could be interrupted"
         run_dir = tmp_path / f"run{runs}"
         sig = rng.choice([signal.SIGTERM, signal.SIGKILL])
-        code = _interrupt(run_dir, sig, rng.uniform(0.2, 0.9 * duration))
+        code, finished_in = _interrupt(run_dir, sig, rng.uniform(0.2, 0.9 * duration))
+        if finished_in is not None:
+            duration = finished_in  # runs got faster (less load): draw from the new span
         if code == 0:
-            continue  # it finished before the signal: not a trial
+            continue  # it finished before the signal took effect: not a trial
         interrupted += 1
         key = f"{signal.Signals(sig).name}: exit {code}"
         codes[key] = codes.get(key, 0) + 1

@@ -8,10 +8,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from app import checkpoint, dist
 from app.build import ResumableSampler, ShardSampler
 from app.config import AppError, UserError
+from app.data_errors import DataItemError, NamedItems
 from app.loggers import CSVLogger
 from app.runtime import rng_state, set_rng_state
 from app.schedulers import constant, step, warmup_cosine
@@ -123,6 +125,32 @@ def test_csv_logger_widens_and_truncates_on_resume(tmp_path) -> None:
     resumed.log(3, 0, "train", {"loss": 0.9, "lr": 0.1})
     lines = path.read_text().splitlines()
     assert len(lines) == 4 and lines[-1].startswith("3,0,train,0.9")
+
+
+def test_csv_logger_drops_a_partial_last_line_on_resume(tmp_path) -> None:
+    path = tmp_path / "metrics.csv"
+    log = CSVLogger(path)
+    log.log(1, 0, "train", {"loss": 2.0})
+    log.log(2, 0, "train", {"loss": 1.0})
+    path.write_text(path.read_text() + "3,0,tra")  # killed while appending row 3
+    CSVLogger(path, resume_step=5)
+    assert path.read_text().splitlines() == ["step,epoch,split,loss", "1,0,train,2.0",
+                                             "2,0,train,1.0"]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_named_items_fetch_a_batch_and_name_the_failing_index() -> None:
+    class Faulty(TensorDataset):
+        def __getitem__(self, i):
+            if i == 7:
+                raise ValueError("corrupt sample")
+            return super().__getitem__(i)
+
+    items = NamedItems(TensorDataset(torch.arange(10.0)), "training")
+    batches = list(DataLoader(items, batch_size=4))
+    assert [b[0].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    with pytest.raises(DataItemError, match="training item 7 failed to load: ValueError"):
+        list(DataLoader(NamedItems(Faulty(torch.arange(10.0)), "training"), batch_size=4))
 
 
 def test_rng_state_round_trip() -> None:
