@@ -147,5 +147,5 @@ def test_a_data_item_that_fails_under_ddp_ends_every_rank(tmp_path) -> None:
 def test_a_loader_worker_that_dies_is_a_clear_error(tmp_path) -> None:
     result = run_app(tmp_path / "run", *TINY, *_faulty_data("kill", 2),
                      env={"PYTHONPATH": str(HELPERS)}, timeout=120)
-    _one_line_error(result, "data loading failed: DataLoader worker (pid", "killed")
+    _one_line_error(result, "data loading failed: DataLoader worker (pid", "was killed by SIGKILL")
     assert result.returncode == 1

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from app import checkpoint, dist
 from app.config import AppConfig, UserError
 from app.data import DataModule
-from app.data_errors import NamedItems
+from app.data_errors import NamedItems, no_async_worker_errors
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,8 @@ def seed_worker(worker_id: int) -> None:
 
 def _loader_options(data: DataModule) -> dict[str, Any]:
     workers = data.num_workers > 0
+    if workers:
+        no_async_worker_errors()
     return {
         "num_workers": data.num_workers,
         "pin_memory": data.pin_memory and torch.cuda.is_available(),

@@ -57,8 +57,6 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         died = loader_worker_died(e)
         if died is None:
             raise
-        # The loader's SIGCHLD handler would raise again as its other workers exit.
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         raise died from e
 
 
