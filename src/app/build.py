@@ -22,7 +22,7 @@ from app.data_errors import NamedItems, no_async_worker_errors
 log = logging.getLogger(__name__)
 
 
-def _instantiate(group: str, node: dict[str, Any], **kwargs: Any) -> Any:
+def instantiate_group(group: str, node: dict[str, Any], **kwargs: Any) -> Any:
     """Hydra's instantiate, with a user mistake in a group reported as one line naming it."""
     try:
         return instantiate(node, **kwargs)
@@ -35,7 +35,7 @@ def _instantiate(group: str, node: dict[str, Any], **kwargs: Any) -> Any:
 
 
 def build_data(cfg: AppConfig) -> DataModule:
-    data = _instantiate("data", cfg.data)
+    data = instantiate_group("data", cfg.data)
     if not isinstance(data, DataModule):
         raise UserError(f"data._target_={cfg.data['_target_']} does not build an app DataModule")
     if data.cache:
@@ -44,7 +44,7 @@ def build_data(cfg: AppConfig) -> DataModule:
 
 
 def build_model(cfg: AppConfig, data: DataModule) -> nn.Module:
-    model = _instantiate(
+    model = instantiate_group(
         "model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes
     )
     if cfg.detail and dist.is_main():
@@ -88,7 +88,7 @@ def parameter_groups(model: nn.Module, decay_norm_and_bias: bool) -> list[dict[s
 def build_optimizer(cfg: AppConfig, model: nn.Module, global_batch: int | None = None
                     ) -> torch.optim.Optimizer:
     """The optimizer over `model`; with trainer.lr_scale_batch=B, lr *= global_batch / B."""
-    factory = _instantiate("optimizer", cfg.optimizer)
+    factory = instantiate_group("optimizer", cfg.optimizer)
     overrides = {}
     base = cfg.trainer.lr_scale_batch
     if base is not None and global_batch is not None and "lr" in cfg.optimizer:
@@ -104,7 +104,7 @@ def build_optimizer(cfg: AppConfig, model: nn.Module, global_batch: int | None =
 def build_scheduler(
     cfg: AppConfig, optimizer: torch.optim.Optimizer, total_steps: int
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    factory = _instantiate("scheduler", cfg.scheduler)
+    factory = instantiate_group("scheduler", cfg.scheduler)
     return factory(optimizer, total_steps=total_steps)
 
 

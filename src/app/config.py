@@ -94,7 +94,9 @@ class AppConfig:
     data: Any = None
     optimizer: Any = None
     scheduler: Any = None
+    callbacks: dict[str, Any] = field(default_factory=dict)  # name -> `_target_` node (or null)
     accelerator: str = "auto"
+    device_id: int | None = None
     accelerator_strict: bool = False
     devices: Any = 1  # an int, or "auto"
     nodes: int = 1
@@ -208,6 +210,8 @@ def validate(cfg: AppConfig) -> None:
         raise UserError(f"trainer.ema_decay={t.ema_decay}: must lie strictly between 0 and 1")
     if not 0 <= cfg.occupy < 1:
         raise UserError(f"occupy={cfg.occupy}: a fraction of free GPU memory in [0, 1)")
+    if cfg.device_id is not None and cfg.device_id < 0:
+        raise UserError(f"device_id={cfg.device_id}: must be 0 or more")
     if cfg.seed < 0:
         raise UserError(f"seed={cfg.seed}: must be 0 or more")
     for group in ("model", "data", "optimizer"):

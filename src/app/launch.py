@@ -12,7 +12,7 @@ from pathlib import Path
 
 from app.cluster_env import check_horovod, detect
 from app.config import AppConfig, Mode, UserError
-from app.runtime import device_count, resolve_accelerator, select_device
+from app.runtime import device_count, resolve_accelerator, select_device, select_device_id
 from app.spawn import spawn
 from app.worker import Rank, run_rank, worker
 from app.worker_logging import setup_rank_logging
@@ -45,6 +45,9 @@ def launch(cfg: AppConfig, run_dir: Path) -> float | None:
     env = detect(os.environ)
     kind = resolve_accelerator(cfg.accelerator, cfg.accelerator_strict)
     if env is not None:  # torchrun, a SLURM task or an MPI rank: this process is one rank
+        if cfg.device_id is not None:
+            raise UserError(f"device_id={cfg.device_id}: under {env.source} each rank takes "
+                            f"its local rank's device; drop device_id")
         setup_rank_logging(run_dir, env.rank, keep_handlers=env.rank == 0)
         log.info("rank %d of %d from %s (rendezvous %s)", env.rank, env.world_size,
                  env.source, env.dist_url)
@@ -54,10 +57,16 @@ def launch(cfg: AppConfig, run_dir: Path) -> float | None:
     if cfg.trainer.mode in (Mode.predict, Mode.export) and devices * cfg.nodes > 1:
         log.info("trainer=%s runs in one process", cfg.trainer.mode.value)
     elif devices * cfg.nodes > 1:
+        if cfg.device_id is not None:
+            raise UserError(f"device_id={cfg.device_id} picks the one device of a devices=1 run; "
+                            f"to choose the devices of devices={devices}, set "
+                            f"CUDA_VISIBLE_DEVICES (or your accelerator's equivalent)")
         if cfg.dist_url == "auto" and cfg.nodes > 1:  # (a SLURM job takes its address from SLURM)
             raise UserError(
                 f"dist_url=auto works on one machine only; with nodes={cfg.nodes} give the "
                 f"address of machine 0, the same on every machine: dist_url=tcp://HOST:PORT")
         url = _free_local_url() if cfg.dist_url == "auto" else cfg.dist_url
         return spawn(cfg, run_dir, kind, devices, url)
+    if cfg.device_id is not None:
+        return worker(cfg, run_dir, select_device_id(kind, cfg.device_id))
     return worker(cfg, run_dir, select_device(kind, 0, cfg.distributed.set_device_rank))

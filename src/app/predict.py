@@ -101,7 +101,10 @@ def save_grid(
                          color="green" if ok else "red")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    # The title and each cell's labels also go into the PNG's text fields, for tools to read.
+    cells = [f"pred {p}" + ("" if labels is None else f" / true {labels[i]}")
+             for i, p in enumerate(preds)]
+    fig.savefig(path, dpi=100, metadata={"Title": title, "Description": "; ".join(cells)})
     plt.close(fig)
 
 

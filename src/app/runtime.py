@@ -72,6 +72,30 @@ def select_device(kind: str, local_rank: int = 0, set_device_rank: bool = True) 
     return device
 
 
+# The variable that hides devices from a process, per device type.
+VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK",
+               "npu": "ASCEND_RT_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES"}
+
+
+def select_device_id(kind: str, device_id: int) -> torch.device:
+    """Device `device_id` for a one-process run (the older launchers' --gpu); indices count
+    among the visible devices, as PyTorch numbers them under CUDA_VISIBLE_DEVICES."""
+    count = device_count(kind)
+    if not 0 <= device_id < count:
+        variable = VISIBLE_ENV.get(kind, "")
+        shown = f"; {variable}={os.environ[variable]}" if os.environ.get(variable) else ""
+        there = (f"{kind} has one device: device_id picks among GPUs and other accelerators "
+                 f"(accelerator=cuda device_id=N)") if kind in ("cpu", "mps") else (
+            f"{count} {kind} device(s) are visible (0 to {count - 1}{shown}); indices count "
+            f"among the visible devices" if count else f"no {kind} device is visible{shown}")
+        raise UserError(f"device_id={device_id}: {there}")
+    if kind in ("cpu", "mps"):
+        return torch.device(kind)
+    device = torch.device(kind, device_id)
+    _module(kind).set_device(device)
+    return device
+
+
 def backend_for(kind: str, requested: str) -> str:
     return BACKENDS[kind] if requested == "auto" else requested
 

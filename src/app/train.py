@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app import checkpoint, dist
 from app.async_save import CheckpointWriter
+from app.callbacks import Callbacks, Run
 from app.build import (
     build_data,
     build_model,
@@ -116,13 +117,17 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                            skip_nonfinite=t.skip_nonfinite)
     losses = FiniteLosses()
     eval_model = ema.module if ema is not None else model  # EMA weights validate when enabled
+    callbacks = Callbacks.build(cfg)
+    run = Run(cfg, run_dir, device, model, eval_model, optimizer, data,
+              global_batch=data.batch_size * world_size * accumulate, total_steps=int(total_steps))
 
     def finished() -> bool:
-        return (t.max_steps is not None and step >= t.max_steps) or (
+        return stopped_early is not None or (t.max_steps is not None and step >= t.max_steps) or (
             t.max_epochs is not None and epoch >= t.max_epochs)
 
     # Resume (everything, exactly) or load weights only (a new schedule), or start fresh.
     step = epoch = batch_in_epoch = 0
+    stopped_early: str | None = None  # why a callback ended the run (early stopping)
     best: float | None = None
     resume_from, state = None, None
     if cfg.resume == "auto":
@@ -135,6 +140,8 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         scheduler.load_state_dict(state["scheduler"])
         train_step.load_state_dict(state.get("train_step", {}))
         step, epoch, batch_in_epoch = (state["loop"][k] for k in ("step", "epoch", "batch"))
+        stopped_early = state["loop"].get("stopped_early")
+        callbacks.load_state_dict(state.get("callbacks", {}))
         best = state["best"]
         if len(state["rng"]) == world_size:
             set_rng_state(state["rng"][rank])
@@ -143,7 +150,8 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                         "continues, but not bit-identically", len(state["rng"]), world_size)
         log.info("resumed from %s at step %d (epoch %d)", resume_from, step, epoch)
         if finished():  # a finished job run again (a re-run sweep): nothing to train
-            log.info("already finished at step %d: nothing to train", step)
+            log.info("already finished at step %d%s: nothing to train", step,
+                     f" ({stopped_early})" if stopped_early else "")
     elif cfg.ckpt is not None:
         checkpoint.load_model_weights(model, checkpoint.load(cfg.ckpt), cfg.ckpt,
                                       strict=cfg.ckpt_strict)
@@ -182,7 +190,9 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "train_step": train_step.state_dict(),
-            "loop": {"step": step, "epoch": epoch, "batch": batch_in_epoch},
+            "loop": {"step": step, "epoch": epoch, "batch": batch_in_epoch,
+                     "stopped_early": stopped_early},
+            "callbacks": callbacks.state_dict(),
             "best": best,
             "metrics": val_metrics or {},
             "rng": rng,
@@ -206,7 +216,8 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         len(data.train), len(data.val),
     )
     model.train()
-    with StopRequest() as stop:
+    run.step, run.epoch = step, epoch
+    with StopRequest() as stop, callbacks.running(run):
         while not finished():
             # Each epoch's order comes from (seed, epoch) alone, so a resumed run sees the same
             # batches; skipping on the sampler never loads the batches already trained on.
@@ -223,6 +234,9 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                 epoch_end = batch_in_epoch == steps_per_epoch
                 if epoch_end:
                     epoch, batch_in_epoch = epoch + 1, 0
+                run.step, run.epoch = step, epoch
+                for hook in callbacks.on_step_end:
+                    hook(run, step, loss)
                 done = finished()
 
                 if bar is not None:
@@ -231,8 +245,10 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                     # .item() waits for the device: only on logging steps.
                     loss_value = dist.all_reduce_mean(loss.detach()).item()
                     lr = scheduler.get_last_lr()[0]
+                    train_metrics = {"loss": loss_value, "lr": lr}
+                    callbacks.log(run, step, train_metrics)
                     if logger is not None:
-                        logger.log(step, epoch, "train", {"loss": loss_value, "lr": lr})
+                        logger.log(step, epoch, "train", train_metrics)
                     if bar is not None:
                         bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
                     else:
@@ -251,6 +267,12 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                         best = val_metrics[metric]
                     log.info("step %d epoch %d: val loss %.4f acc %.4f%s", step, epoch,
                              val_metrics["loss"], val_metrics["acc"], " (best)" if is_best else "")
+                    if callbacks:
+                        stopped_early = callbacks.validation_end(
+                            run, step, {f"val/{k}": v for k, v in val_metrics.items()})
+                        if stopped_early is not None:
+                            log.info("step %d: %s", step, stopped_early)
+                            done = True
 
                 stopping = stop.should_stop()
                 if done or stopping or is_best or _every(t.ckpt_every_n_steps, step) or (
