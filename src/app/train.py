@@ -15,7 +15,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app import checkpoint, dist
 from app.async_save import CheckpointWriter
-from app.callbacks import Callbacks, Run
 from app.build import (
     build_data,
     build_model,
@@ -24,6 +23,7 @@ from app.build import (
     build_train_loader,
     build_val_loader,
 )
+from app.callbacks import Callbacks, Run
 from app.config import AppConfig, AppError, MonitorMode, UserError
 from app.curves import draw_curves
 from app.ema import ModelEMA

@@ -157,7 +157,8 @@ class Callbacks:
         for hook in self.on_validation_end:
             hook(run, step, metrics)
         if dist.world_size() > 1:  # every rank stops at the same step, or none does
-            asked = dist.all_reduce_max(torch.tensor(float(run.stop_reason is not None), device=run.device))
+            asked = dist.all_reduce_max(
+                torch.tensor(float(run.stop_reason is not None), device=run.device))
             if asked.item() and run.stop_reason is None:
                 run.stop_reason = "another rank's callback asked to stop"
         return run.stop_reason
