@@ -59,6 +59,16 @@ def steps_section(tmp: Path, repeats: int) -> str:
         rows.append(f"| {name} | {p.fmt(1e3)} | {a.fmt(1e3)} | {ratio_range(a, p)} | "
                     f"{verdict(ratio, 1.03)} | {'identical' if same else '**differ**'} |")
     first = next(iter(CASES.values()))
+    w, wo = step_overhead.callback_cost([*first[1], f"trainer.max_steps={first[0]}"],
+                                        repeats + 2, tmp)
+    w, wo = Stat(w), Stat(wo)
+    rows.append(f"| CNN: three no-op callbacks (every hook) against none | {wo.fmt(1e3)} | "
+                f"{w.fmt(1e3)} | {ratio_range(w, wo)} | {verdict(paired_ratio(w, wo), 1.01)} "
+                f"(target 1.01) | |")
+    dispatch = step_overhead.dispatch_seconds()
+    rows.append(f"| CNN: the same three callbacks' calls alone, timed directly | {wo.fmt(1e3)} "
+                f"| +{dispatch * 1e6:.2f} µs | {1 + dispatch / wo.median:.5f} | "
+                f"{verdict(1 + dispatch / wo.median, 1.01)} (target 1.01) | |")
     a, b = step_overhead.control([*first[2], "--steps", str(first[0])], repeats)
     a, b = Stat(a), Stat(b)
     rows.append(f"| control: the plain loop against itself (CNN) | {b.fmt(1e3)} | {a.fmt(1e3)} "

@@ -154,6 +154,44 @@ def compare(app_overrides: list[str], plain_args: list[str], rounds: int, tmp: P
     return apps, plains, same
 
 
+def callback_cost(app_overrides: list[str], rounds: int, tmp: Path
+                  ) -> tuple[list[float], list[float]]:
+    """Per round, the median seconds per step of the app's loop with three no-op callbacks
+    (every hook overridden) and without, run in turns."""
+    noop = [f"+callbacks.noop{i}._target_=noop_callbacks.NoOp" for i in range(3)]
+    with_cfg, without_cfg = _app_config([*app_overrides, *noop]), _app_config(app_overrides)
+    withs, withouts = [], []
+    for r in range(rounds):
+        dirs = [tmp / f"callbacks-{r}-{name}" for name in ("with", "without")]
+        _logging_as_hydra(dirs[0])
+        dirs[1].mkdir(parents=True)
+        loops = [lambda d=dirs[0]: app_train(with_cfg, d, torch.device("cpu")),
+                 lambda d=dirs[1]: app_train(without_cfg, d, torch.device("cpu"))]
+        if r % 2 == 0:
+            w, wo = _in_turns(*loops)
+        else:
+            wo, w = _in_turns(*reversed(loops))
+        withs.append(w)
+        withouts.append(wo)
+    logging.getLogger().handlers.clear()
+    return withs, withouts
+
+
+def dispatch_seconds(calls: int = 200_000) -> float:
+    """Seconds per optimizer step that calling three no-op callbacks' per-step hook costs (the
+    loop's own calling code: `for hook in callbacks.on_step_end: hook(run, step, loss)`)."""
+    from noop_callbacks import NoOp
+
+    from app.callbacks import Callbacks
+
+    callbacks, loss = Callbacks({f"noop{i}": NoOp() for i in range(3)}), torch.zeros(())
+    started = time.perf_counter()
+    for step in range(calls):
+        for hook in callbacks.on_step_end:
+            hook(None, step, loss)
+    return (time.perf_counter() - started) / calls
+
+
 def control(plain_args: list[str], rounds: int) -> tuple[list[float], list[float]]:
     """The plain loop against itself, in turns: the resolution of this measurement."""
     args = plain_loop.parser().parse_args(plain_args)

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from app.async_save import CheckpointWriter
@@ -97,6 +98,8 @@ def _kill_during_a_write(run_dir: Path) -> Path | None:
     return None
 
 
+# In the slow trials (make test-slow): test_kill_trials covers the same ground 24 times over.
+@pytest.mark.slow
 def test_a_crash_during_a_background_write_keeps_the_previous_checkpoint(tmp_path) -> None:
     for attempt in range(5):  # the kill must land inside a write; almost always the first time
         run_dir = tmp_path / f"run{attempt}"

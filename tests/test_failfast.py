@@ -62,7 +62,7 @@ def test_a_failing_rank_ends_the_job(fault, words, tmp_path) -> None:
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_resume_is_exact(tmp_path) -> None:
-    overrides = [*TINY, "devices=2", "trainer.max_epochs=12", "trainer.ckpt_every_n_epochs=null"]
+    overrides = [*TINY, "devices=2", "trainer.max_epochs=6", "trainer.ckpt_every_n_epochs=null"]
     run_dir = tmp_path / "interrupted"
     proc = _start(run_dir, *overrides)
     wait_for_rows(run_dir, 30)
@@ -73,7 +73,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_is_exact(tmp_path) -> No
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert "stopped by SIGTERM" in output and "Traceback" not in output
     stopped_at = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
-    assert 0 < stopped_at < 12 * 11
+    assert 0 < stopped_at < 6 * 11
     assert not [p for p in worker_pids(run_dir) if alive(p)]
 
     resumed = _start(run_dir, *overrides)  # resume=auto: the same command again

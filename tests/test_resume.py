@@ -77,7 +77,7 @@ def test_resume_null_starts_fresh_and_ckpt_loads_weights_only(reference, tmp_pat
 
 
 def test_sigterm_saves_then_resume_auto_finishes_exactly(tmp_path) -> None:
-    overrides = [*TINY, "trainer.max_epochs=12", "trainer.ckpt_every_n_epochs=null"]
+    overrides = [*TINY, "trainer.max_epochs=6", "trainer.ckpt_every_n_epochs=null"]
     reference = assert_ok(run_app(tmp_path / "reference", *overrides)).run_dir
     run_dir = tmp_path / "interrupted"
     proc = subprocess.Popen(
@@ -89,7 +89,7 @@ def test_sigterm_saves_then_resume_auto_finishes_exactly(tmp_path) -> None:
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert "stopped by signal SIGTERM" in output and "Traceback" not in output
     stopped_at = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
-    assert 0 < stopped_at < 12 * 22
+    assert 0 < stopped_at < 6 * 22
     resumed = assert_ok(run_app(run_dir, *overrides))
     assert f"at step {stopped_at}" in resumed.output
     assert_same_weights(reference / "checkpoints" / "last.pt",

@@ -88,7 +88,7 @@ def test_optuna_search_runs_trials_and_reports_the_best(tmp_path) -> None:
 
 
 def test_rerun_sweep_skips_finished_jobs_and_resumes_the_rest(tmp_path) -> None:
-    args = ["optimizer.lr=0.01,0.003", *TINY, "trainer.max_epochs=12",
+    args = ["optimizer.lr=0.01,0.003", *TINY, "trainer.max_epochs=3",
             "trainer.ckpt_every_n_epochs=1"]
     sweep = tmp_path / "sweep"
     first = subprocess.Popen(
@@ -105,8 +105,8 @@ def test_rerun_sweep_skips_finished_jobs_and_resumes_the_rest(tmp_path) -> None:
     proc, jobs = multirun(tmp_path, *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     logs = [(sweep / str(n) / "train.log").read_text() for n in (0, 1)]
-    assert "already finished at step 264: nothing to train" in logs[0]
-    assert "resumed from" in logs[1] and "done: step 264" in logs[1]
+    assert "already finished at step 66: nothing to train" in logs[0]
+    assert "resumed from" in logs[1] and "done: step 66" in logs[1]
     rows = _summary(sweep)
     assert len(rows) == 2 and {r["status"] for r in rows} == {"completed"}
 
