@@ -31,6 +31,9 @@ VALID = {
     "trainer.async_checkpoint": ["true", "false"], "deterministic": ["true"],
     "trainer.monitor_mode": ["min", "max"], "data.num_workers": ["0", "1"],
     "trainer.ckpt_every_n_steps": ["1", "2"], "detail": ["true"],
+    "callbacks": ["default", "none"], "+callbacks/early_stopping": ["default"],
+    "+callbacks/eval_visuals": ["default"], "+callbacks/lr_throughput": ["default"],
+    "device_id": ["0"],
 }
 
 # Each of these must make a set fail: (override, a word the error must contain).
@@ -68,7 +71,10 @@ ODD = [("model.hidden=[", "["), ("seed=${{oops}}", "oops"), ("trainer.monitor=va
        ("trainer=predict", "ckpt"), ("model.channels=[0,16]", "channels"),
        ("data.root=/no/such/dir{i}", "root"), ("dist_url=tcp://:{i}", "dist_url"),
        ("precision=' 32'", "precision"), ("optimizer.lr='1e-3 '", "lr"),
-       ("trainer.monitor_mode=sideways", "sideways"), ("devices=auto{i}", "devices")]
+       ("trainer.monitor_mode=sideways", "sideways"), ("devices=auto{i}", "devices"),
+       ("callbacks=fancy{i}", "fancy"), ("+callbacks/nope{i}=default", "nope"),
+       ("+callbacks.x._target_=nope.Nope{i}", "callbacks.x"), ("device_id=-{i}", "device_id"),
+       ("device_id={i}", "device_id"), ("callbacks.model_summary.depth=deep", "depth")]
 INVALID = WRONG_TYPE + UNKNOWN + OUT_OF_RANGE + ODD
 
 

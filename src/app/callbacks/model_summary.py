@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from app.callbacks.base import Callback, Run
+from app.checks import whole
 
 log = logging.getLogger(__name__)
 
@@ -14,7 +15,7 @@ class ModelSummary(Callback):
     module."""
 
     def __init__(self, depth: int = 0) -> None:
-        self.depth = depth
+        self.depth = whole("depth", depth, 0)
 
     def on_train_start(self, run: Run) -> None:
         model = run.model
