@@ -66,6 +66,13 @@ def test_load_errors_name_the_file(tmp_path) -> None:
     garbage.write_bytes(b"\x00" * 100)
     with pytest.raises(UserError, match="garbage.pt"):
         checkpoint.load(garbage)
+    # Random bytes make the unpickler fail in many ways (IndexError, KeyError, ...): each is
+    # a UserError naming the file, never a traceback.
+    rng = random.Random(0)
+    for _ in range(300):
+        garbage.write_bytes(rng.randbytes(rng.choice((8, 64, 2048))))
+        with pytest.raises(UserError, match="garbage.pt"):
+            checkpoint.load(garbage)
     other = tmp_path / "other.pt"
     torch.save({"weights": 1}, other)
     with pytest.raises(UserError, match="not an app checkpoint"):

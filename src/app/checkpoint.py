@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shutil
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -88,10 +86,11 @@ def load(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path}: file not found")
+    # Garbage bytes make the unpickler raise almost anything (IndexError, KeyError,
+    # UnicodeDecodeError, ...): every one of them means the file is not a readable checkpoint.
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError,
-            OSError) as e:
+    except Exception as e:
         if "Weights only load failed" in str(e):
             raise UserError(
                 f"checkpoint {path}: refused: it holds Python objects other than tensors and "
