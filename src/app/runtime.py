@@ -152,8 +152,11 @@ def apply_runtime_flags(cfg: Any, device: torch.device) -> None:
     if cfg.tf32 is not None:
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
-    if cfg.distributed.omp_threads is not None:
-        torch.set_num_threads(cfg.distributed.omp_threads)
+    # Always an explicit count, even PyTorch's default: only torch.set_num_threads turns MKL's
+    # dynamic threading off, and MKL's matmuls round differently with 1 thread than with 2
+    # (about 2e-6 on a 16x4096 by 4096x4096 product), so a process whose MKL picked another
+    # count would no longer repeat a run bit for bit.
+    torch.set_num_threads(cfg.distributed.omp_threads or torch.get_num_threads())
     if cfg.occupy > 0:
         occupy_memory(device, cfg.occupy)
 
