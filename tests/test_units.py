@@ -188,3 +188,23 @@ def test_shard_sampler_and_helpers_without_process_group() -> None:
     assert torch.equal(dist.all_reduce_mean(x), x)
     assert dist.broadcast_object({"a": 1}) == {"a": 1}
     assert dist.all_gather_object(5) == [5]
+
+
+def test_cpu_ranks_share_the_cores_unless_bound_or_told(monkeypatch) -> None:
+    from app import runtime
+
+    chosen = []
+    monkeypatch.setattr(runtime.torch, "set_num_threads", chosen.append)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(8)))
+    runtime.share_cpu_threads(2)  # both ranks see all 8 cores: 4 threads each
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: {2, 3})
+    runtime.share_cpu_threads(2)  # bound to 2 cores of its own (Slurm task binding)
+    runtime.share_cpu_threads(16)  # more ranks than cores: never fewer than 1 thread
+    assert chosen == [4, 2, 2]
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(8)))
+    runtime.share_cpu_threads(32)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    runtime.share_cpu_threads(2)  # the user's setting wins
+    assert chosen == [4, 2, 2, 1]

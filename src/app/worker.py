@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from app import dist
 from app.config import AppConfig, AppError, Mode
 from app.data_errors import loader_worker_died
-from app.runtime import apply_runtime_flags, backend_for, select_device
+from app.runtime import apply_runtime_flags, backend_for, select_device, share_cpu_threads
 from app.worker_logging import FAILURE_LOGGER, setup_rank_logging
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,8 @@ def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, kind: str, de
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(devices))
     setup_rank_logging(run_dir, me.rank, keep_handlers=False)
     log.info("rank %d of %d: pid %d", me.rank, me.world_size, os.getpid())
-    if kind == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))  # share the cores
+    if kind == "cpu":
+        share_cpu_threads(devices)
     report = Path(report_dir)
     try:
         result = run_rank(cfg, run_dir, kind, me)
