@@ -85,7 +85,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path) -> Non
         if gap == 0:
             assert read_metrics(run_dir) == read_metrics(reference), history
         else:
-            # Issue 8, open: some runs (3 of the last 28) end a rounding error away (1.6e-7
+            # Issue 8, open: some runs (3 of 29 so far) end a rounding error away (1.6e-7
             # to 6.5e-7) from the reference; the cause is not found yet. Such a run is
             # reported; anything bigger is lost or wrong state and fails.
             assert gap < 1e-5, f"{run_dir.name} after {history}: weights differ by {gap}"
