@@ -12,13 +12,7 @@ from pathlib import Path
 
 from app.cluster_env import check_horovod, detect
 from app.config import AppConfig, Mode, UserError
-from app.runtime import (
-    device_count,
-    resolve_accelerator,
-    select_device,
-    select_device_id,
-    share_cpu_threads,
-)
+from app.runtime import device_count, resolve_accelerator, select_device, select_device_id
 from app.spawn import spawn
 from app.worker import Rank, run_rank, worker
 from app.worker_logging import setup_rank_logging
@@ -57,8 +51,6 @@ def launch(cfg: AppConfig, run_dir: Path) -> float | None:
         setup_rank_logging(run_dir, env.rank, keep_handlers=env.rank == 0)
         log.info("rank %d of %d from %s (rendezvous %s)", env.rank, env.world_size,
                  env.source, env.dist_url)
-        if kind == "cpu":
-            share_cpu_threads(env.local_world_size)
         return run_rank(cfg, run_dir, kind, Rank(env.rank, env.world_size, env.local_rank,
                                                  env.local_world_size, env.dist_url))
     devices = resolve_devices(cfg.devices, kind)

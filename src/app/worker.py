@@ -63,6 +63,8 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
 def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank) -> float | None:
     """Join the process group as `me`, run the mode, leave the group."""
     # The device is made current before the first collective (NCCL binds to it).
+    if kind == "cpu":  # the ranks on this machine share its cores
+        share_cpu_threads(me.local_world_size)
     device = select_device(kind, me.local_rank, cfg.distributed.set_device_rank)
     os.environ.update(cfg.distributed.nccl_env)  # opt-in NCCL_* settings, before NCCL starts
     dist.init(backend_for(kind, cfg.distributed.backend), me.url, me.rank, me.world_size,
@@ -103,8 +105,6 @@ def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, kind: str, de
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(devices))
     setup_rank_logging(run_dir, me.rank, keep_handlers=False)
     log.info("rank %d of %d: pid %d", me.rank, me.world_size, os.getpid())
-    if kind == "cpu":
-        share_cpu_threads(devices)
     report = Path(report_dir)
     try:
         result = run_rank(cfg, run_dir, kind, me)
