@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import (
     REPO,
@@ -95,3 +96,34 @@ def test_sigterm_saves_then_resume_auto_finishes_exactly(tmp_path) -> None:
     assert_same_weights(reference / "checkpoints" / "last.pt",
                         run_dir / "checkpoints" / "last.pt")
     assert read_metrics(run_dir) == read_metrics(reference)
+
+
+# Matrix products big enough for MKL to split them over threads.
+MATMUL_HEAVY = ["model=mlp", "model.hidden=[1024]", "data=synthetic", "data.input_shape=[1024]",
+                "data.num_samples=400", "data.batch_size=16", "trainer.max_epochs=null",
+                "trainer.max_steps=8", "trainer.val_every_n_epochs=null",
+                "trainer.ckpt_every_n_steps=4", "trainer.ckpt_every_n_epochs=null",
+                "trainer.keep_last=100", "trainer.progress_bar=false"]
+
+
+def _resumed_with_other_threads(tmp_path, env: dict) -> float:
+    """Train 8 steps on 2 threads; resume its step-4 checkpoint on 1 thread; the largest
+    weight difference at step 8."""
+    reference = assert_ok(run_app(tmp_path / "ref", *MATMUL_HEAVY, "distributed.omp_threads=2",
+                                  env=env)).run_dir
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(reference / "checkpoints" / "step-00000004.pt", resumed / "checkpoints" / "last.pt")
+    result = assert_ok(run_app(resumed, *MATMUL_HEAVY, "distributed.omp_threads=1", env=env))
+    assert "at step 4" in result.output
+    a, b = (load_state(d / "checkpoints" / "last.pt")["model"] for d in (reference, resumed))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's reproducibility mode")
+def test_resume_on_another_thread_count_is_exact(tmp_path) -> None:
+    # A Slurm job requeued onto other cores, or OMP_NUM_THREADS changed between launches: the
+    # app puts MKL in its strict mode, so the products round alike whatever the thread count.
+    assert _resumed_with_other_threads(tmp_path / "strict", {}) == 0.0
+    # The control: MKL's default mode (a user's own MKL_CBWR wins) rounds differently.
+    assert _resumed_with_other_threads(tmp_path / "auto", {"MKL_CBWR": "AUTO"}) > 0.0

@@ -19,6 +19,7 @@ from app.cluster_env import detect
 from app.config import AppError, register_schemas, to_app_config
 from app.resolvers import register_resolvers
 from app.results import write_result
+from app.runtime import reproducible_matmuls
 from app.spawn import prestart
 
 log = logging.getLogger("app")
@@ -26,6 +27,7 @@ log = logging.getLogger("app")
 # conf/ sits at the top of the repository, beside src/ (the package is installed editable).
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
+reproducible_matmuls()  # before MKL's first call, in this process and every worker
 register_schemas()
 register_resolvers()
 # conf/hydra/launcher/submitit_*.yaml shadow the stock options on purpose (same names, app's
