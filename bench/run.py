@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import blas_mode
 import ckpt_stall
 import step_overhead
 from common import BENCH, Stat, app_cmd, machine, paired_ratio, ratio_range, run_probed
@@ -240,6 +241,10 @@ def memory(tmp: Path, repeats: int) -> str:
             "|---|---|---|---|---|\n" + "\n".join(rows))
 
 
+def blas_section(tmp: Path, repeats: int) -> str:
+    return blas_mode.section(repeats)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -250,7 +255,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="app-bench-") as tmp:
         tmp = Path(tmp)
         for name, fn in (("steps", steps_section), ("startup", startup), ("memory", memory),
-                         ("ddp", ddp_and_spawn), ("checkpoint", checkpoint_stall)):
+                         ("ddp", ddp_and_spawn), ("checkpoint", checkpoint_stall),
+                         ("blas", blas_section)):
             sections[name] = fn(tmp, args.repeats)
             print(sections[name], flush=True)
     took = time.time() - started
@@ -302,6 +308,16 @@ Peak resident memory (VmHWM, recorded by the probe at exit) of whole runs as pro
 `python -m app` with the case's settings against `python bench/plain_loop.py`, alternating.
 
 {s['memory']}
+
+## 7. MKL's strict reproducibility mode
+
+`python -m app` sets MKL_CBWR=AUTO,STRICT (unless it is set): MKL's matrix products then give
+the same bits on any thread count, so a run resumed on other cores continues bit for bit
+(tests/test_resume.py). The mode is per process, so bench/blas_mode.py runs the plain loop
+as processes, in MKL's default mode and in strict mode alternately, with the same thread
+count. Median time per step after 10 warm-up steps.
+
+{s['blas']}
 
 ## Reading the misses
 
