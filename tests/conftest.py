@@ -91,6 +91,13 @@ def assert_same_weights(a: Path, b: Path) -> None:
         assert torch.equal(wa[key], wb[key]), f"{key} differs between {a} and {b}"
 
 
+
+def weight_gap(a: Path, b: Path) -> float:
+    """The largest absolute difference between two checkpoints' weights (0: bit-identical)."""
+    wa, wb = load_state(a)["model"], load_state(b)["model"]
+    assert wa.keys() == wb.keys()
+    return max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa)
+
 def multirun(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """`python -m app -m OVERRIDES` into tmp_path/sweep; what each job returned to Hydra."""
     record = tmp_path / "returns.jsonl"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIG, REPO, assert_ok, load_state, read_metrics, run_app
+from conftest import BIG, REPO, assert_ok, load_state, read_metrics, run_app, weight_gap
 
 TRIALS = 24
 KILLS_PER_RUN = 6
@@ -82,19 +82,12 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path) -> Non
         # Bit for bit. (3 of the first 29 runs ended 1.6e-7 to 6.5e-7 away. The one mechanism
         # found: MKL's products round differently on another thread count, and MKL may pick
         # one on its own. The app now runs MKL in its strict mode, in which they do not.)
-        gap = _largest_difference(reference / "checkpoints" / "last.pt",
-                                  run_dir / "checkpoints" / "last.pt")
+        gap = weight_gap(reference / "checkpoints" / "last.pt",
+                         run_dir / "checkpoints" / "last.pt")
         assert gap == 0, f"{run_dir.name} after {history}: weights differ by {gap}"
         assert read_metrics(run_dir) == read_metrics(reference), history
         assert not list((run_dir / "checkpoints").glob(".*.tmp"))
     print(f"kill trials: {trials} SIGKILLs over {runs} runs, {in_writes} inside a checkpoint "
           f"write; {runs} of {runs} runs finished bit-identical")
     assert in_writes >= TRIALS // 2  # most kills must land where it is hardest
-
-
-def _largest_difference(a: Path, b: Path) -> float:
-    """The largest absolute difference between two checkpoints' weights (0: bit-identical)."""
-    wa, wb = load_state(a)["model"], load_state(b)["model"]
-    assert wa.keys() == wb.keys()
-    return max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa)
 
