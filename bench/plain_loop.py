@@ -4,7 +4,7 @@ It uses the app's model and data classes (the same modules, so the same work per
 reproduces what the app's default run does around them, with nothing more: the seeding order,
 a seeded shuffle per epoch, AdamW without weight decay on 1-d parameters, the app's warm-up +
 cosine schedule, dropout seeded after the model is built. Its losses therefore equal the app's
-bit for bit, which the benchmark checks. No logging, validation or checkpoints.
+bit for bit on any CPU, which tests/test_bench.py checks. No logging, validation or checkpoints.
 
     python bench/plain_loop.py --model cnn --steps 300 --losses losses.json
     torchrun --standalone --nproc_per_node=2 bench/plain_loop.py   # plain DDP (gloo)
@@ -24,7 +24,13 @@ from torch.utils.data import DataLoader
 
 from app.data import Digits, Synthetic
 from app.models import CNN, MLP
+from app.runtime import reproducible_matmuls
 from app.schedulers import warmup_cosine
+
+# Like with like: the app runs MKL in its strict mode (the same bits on any thread count), and
+# MKL's default mode rounds some products differently, by how much depending on the processor.
+# The cost of the strict mode itself is measured apart (bench/blas_mode.py).
+reproducible_matmuls()
 
 
 def parser() -> argparse.ArgumentParser:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import signal
+import time
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -69,18 +71,30 @@ def no_async_worker_errors() -> None:
 
 
 def loader_worker_died(error: BaseException) -> AppError | None:
-    """A one-line error for a DataLoader worker that died, or None for any other error."""
-    if not isinstance(error, RuntimeError) or "DataLoader worker" not in str(error):
+    """A one-line error for a DataLoader worker that died, or None for any other error.
+
+    The loader says so itself ("DataLoader worker ... exited unexpectedly") when it finds the
+    worker dead. A worker killed while the main process fetches its batch's shared memory
+    surfaces instead as the connection error of that fetch (multiprocessing's resource sharer:
+    ConnectionResetError, ConnectionRefusedError, EOFError), possibly before the worker's exit
+    can be seen: the workers are then given a moment to be found dead.
+    """
+    said_so = isinstance(error, RuntimeError) and "DataLoader worker" in str(error)
+    loader = _loader_in_traceback(error)
+    if not said_so and not (loader is not None and isinstance(error, (ConnectionError,
+                                                                      EOFError))):
         return None
-    what = _worker_exits(error) or str(error).strip().splitlines()[0]
+    what = _worker_exits(loader, wait_s=0 if said_so else 5) or \
+        (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if not said_so and not what.startswith("DataLoader worker"):
+        what = f"a loader worker stopped answering ({type(error).__name__}: {what})"
     return AppError(f"data loading failed: {what} (a loader worker crashed: out of memory, "
                     f"or a fault in the data set's code; data.num_workers=0 loads in the "
                     f"training process)")
 
 
-def _worker_exits(error: BaseException) -> str | None:
-    """How the loader's dead workers ended ("DataLoader worker (pid 12) was killed by SIGKILL"),
-    read from the loader iterator in the traceback; None where it cannot be found."""
+def _loader_in_traceback(error: BaseException) -> _MultiProcessingDataLoaderIter | None:
+    """The loader iterator whose method raised `error`, read from its traceback."""
     loader = None
     tb = error.__traceback__
     while tb is not None:
@@ -88,7 +102,18 @@ def _worker_exits(error: BaseException) -> str | None:
         if isinstance(candidate, _MultiProcessingDataLoaderIter):
             loader = candidate
         tb = tb.tb_next
-    ended = [w for w in getattr(loader, "_workers", ()) if w.exitcode is not None]
+    return loader
+
+
+def _worker_exits(loader: _MultiProcessingDataLoaderIter | None, wait_s: float) -> str | None:
+    """How the loader's dead workers ended ("DataLoader worker (pid 12) was killed by SIGKILL");
+    None where none is found dead within `wait_s`."""
+    workers = list(getattr(loader, "_workers", ()))
+    deadline = time.monotonic() + wait_s
+    ended = [w for w in workers if w.exitcode is not None]
+    while not ended and workers and time.monotonic() < deadline:
+        multiprocessing.connection.wait([w.sentinel for w in workers], timeout=0.1)
+        ended = [w for w in workers if w.exitcode is not None]
     if not ended:
         return None
     return "; ".join(f"DataLoader worker (pid {w.pid}) {_how(w.exitcode)}" for w in ended)

@@ -53,7 +53,7 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         from app.export import run_export as run
     try:
         return run(cfg, run_dir, device)
-    except RuntimeError as e:
+    except Exception as e:  # (a dead loader worker: RuntimeError, or a connection error)
         died = loader_worker_died(e)
         if died is None:
             raise
