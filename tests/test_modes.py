@@ -6,10 +6,12 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from app.errors import UserError
 from conftest import REPO, TINY, assert_ok, load_state, make_config, read_metrics, run_app
 
 
@@ -155,3 +157,51 @@ def test_unavailable_accelerator_falls_back_to_cpu(tmp_path) -> None:
                                "model.channels=[8,16]"))
     assert "accelerator=xpu is not available here: running on the CPU" in result.output
     assert "on cpu x 1" in result.output
+
+
+class _Digits:
+    input_shape = (1, 8, 8)  # all that load_inputs asks of a data object
+
+
+def _corrupt_inputs(tmp_path) -> dict[str, tuple[Path, str]]:
+    """Bad predict inputs, each with the words its error must hold."""
+    from PIL import Image
+
+    good = tmp_path / "good.png"
+    noise = np.random.default_rng(0).integers(0, 255, (64, 64), dtype=np.uint8)
+    Image.fromarray(noise).save(good)
+    png = good.read_bytes()
+    cases = {}
+    for name, content in {"truncated": png[:len(png) // 2], "garbage": b"not an image",
+                          "empty": b""}.items():
+        folder = tmp_path / f"{name}_pngs"
+        folder.mkdir()
+        (folder / "a.png").write_bytes(png)
+        (folder / "b.png").write_bytes(content)
+        cases[f"{name} png"] = (folder, "b.png is not a readable image")
+    arrays = {"empty file": (b"", "not a readable .npy"),
+              "no samples": (np.zeros((0, 8, 8), np.float32), "holds no samples"),
+              "strings": (np.full((2, 8, 8), "0.5"), "an array of strings"),
+              "complex": (np.zeros((2, 8, 8), complex), "complex numbers"),
+              "truncated": (np.zeros((4, 8, 8), np.float32), "not a readable .npy")}
+    for name, (content, words) in arrays.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.npy"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            np.save(path, content)
+            if name == "truncated":
+                path.write_bytes(path.read_bytes()[:200])
+        cases[f"{name} npy"] = (path, words)
+    return cases
+
+
+def test_predict_inputs_that_cannot_be_read_name_the_file(tmp_path) -> None:
+    from app.predict import load_inputs
+
+    for case, (path, words) in _corrupt_inputs(tmp_path).items():
+        with pytest.raises(UserError) as err:
+            load_inputs(str(path), _Digits())
+        message = str(err.value)
+        assert words in message and f"trainer.input={path}" in message, (case, message)
+        assert "\n" not in message, (case, message)

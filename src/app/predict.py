@@ -27,8 +27,17 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff"}
 def _from_npy(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
     try:
         array = np.load(path, allow_pickle=False)
-    except ValueError as e:
-        raise UserError(f"trainer.input={path}: not a numeric .npy array ({e})") from e
+    except (ValueError, EOFError, OSError) as e:  # a pickle, an empty or truncated file
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"trainer.input={path}: not a readable .npy array ({reason})") from None
+    if array.dtype.kind not in "biuf":
+        kind = {"U": "strings", "S": "byte strings", "c": "complex numbers"}.get(
+            array.dtype.kind, f"{array.dtype} values")
+        raise UserError(f"trainer.input={path}: an array of {kind}; the model takes real "
+                        f"numbers (save a float array)")
+    if array.ndim > 0 and array.shape[0] == 0:
+        raise UserError(f"trainer.input={path}: the array holds no samples (shape "
+                        f"{list(array.shape)})")
     if array.ndim == len(shape) and len(shape) == 3 and shape[0] == 1:
         array = array[:, None]  # (N, H, W) for one-channel images
     if tuple(array.shape[1:]) != shape:
@@ -50,9 +59,14 @@ def _from_folder(path: Path, shape: tuple[int, ...]) -> tuple[torch.Tensor, list
     channels, height, width = shape
     arrays = []
     for file in files:
-        with Image.open(file) as image:
-            image = image.convert("L" if channels == 1 else "RGB").resize((width, height))
-            array = np.asarray(image, dtype=np.float32) / 255.0
+        try:
+            with Image.open(file) as image:  # decodes on convert: a truncated file fails there
+                image = image.convert("L" if channels == 1 else "RGB").resize((width, height))
+                array = np.asarray(image, dtype=np.float32) / 255.0
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"trainer.input={path}: {file.name} is not a readable image "
+                            f"({reason}); remove or replace it") from None
         arrays.append(array[None] if channels == 1 else array.transpose(2, 0, 1))
     return torch.from_numpy(np.stack(arrays)), [str(f) for f in files]
 
