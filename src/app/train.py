@@ -168,10 +168,18 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     show_bar = t.progress_bar if t.progress_bar is not None else sys.stderr.isatty()
     bar = None
     if show_bar and dist.is_main():
+        import os
+
         from tqdm import tqdm
 
-        bar = tqdm(total=int(total_steps), initial=step, unit="step", dynamic_ncols=True)
-
+        # tqdm hides a bar below the terminal's last row, so a terminal that reports no size
+        # (0 x 0, as some consoles and containers do) would show no progress: a fixed size.
+        try:
+            sized = 0 not in os.get_terminal_size(sys.stderr.fileno())
+        except (OSError, ValueError):  # not a terminal (progress_bar=true into a file)
+            sized = True  # tqdm's own defaults
+        bar = tqdm(total=int(total_steps), initial=step, unit="step", dynamic_ncols=sized,
+                   ncols=None if sized else 80, nrows=None if sized else 24)
 
     def save(val_metrics: dict[str, float] | None, is_best: bool, last: bool) -> None:
         rng = dist.all_gather_object(rng_state())  # every rank's, for an exact resume

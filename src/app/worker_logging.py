@@ -11,6 +11,25 @@ FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 FAILURE_LOGGER = "app.failure"
 
 
+class ConsoleHandler(logging.StreamHandler):
+    """The console handler of rank 0 (and of Hydra's job logging, conf/config.yaml): while a
+    progress bar is shown, a record is printed above the bar (tqdm.write clears the bar's line
+    and redraws it below) instead of onto the end of the bar's line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm = sys.modules.get("tqdm")  # no bar can be shown before tqdm is imported
+        if tqdm is None or not getattr(tqdm.tqdm, "_instances", None):
+            super().emit(record)
+            return
+        try:
+            tqdm.tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
+
 def setup_rank_logging(run_dir: Path, rank: int, keep_handlers: bool) -> None:
     """`keep_handlers`: rank 0 of a job whose Hydra logging (console, train.log) is already set."""
     root = logging.getLogger()
@@ -20,7 +39,7 @@ def setup_rank_logging(run_dir: Path, rank: int, keep_handlers: bool) -> None:
         for handler in list(root.handlers):
             root.removeHandler(handler)
         if rank == 0:
-            console = logging.StreamHandler(sys.stdout)
+            console = ConsoleHandler(sys.stdout)
             train_log = logging.FileHandler(run_dir / "train.log")
             for handler in (console, train_log):
                 handler.setFormatter(logging.Formatter(FORMAT))
