@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from app import dist
+from app import dist, watchdog
 from app.build import build_data, build_trained_model, build_val_loader
 from app.config import AppConfig
 from app.loggers import CSVLogger
@@ -30,6 +30,7 @@ def evaluate(
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     dtype = next(model.parameters()).dtype  # bf16 under precision=bf16-true
     for x, y in loader:
+        watchdog.tick()  # progress, for the stall watchdog
         x, y = x.to(device, dtype, non_blocking=True), y.to(device, non_blocking=True)
         logits = model(x)
         totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
@@ -44,9 +45,10 @@ def run_eval(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     data = build_data(cfg)
     model, state = build_trained_model(cfg, data)
     metrics, count = evaluate(model.to(device), build_val_loader(data), device)
-    step = int(state.get("loop", {}).get("step", 0))
+    loop = state.get("loop") or {}  # a weights-only file (no loop record) evaluates too
+    step = loop.get("step", 0)
     if dist.is_main():
-        CSVLogger(run_dir / "metrics.csv").log(step, int(state["loop"]["epoch"]), "val", metrics)
+        CSVLogger(run_dir / "metrics.csv").log(step, loop.get("epoch", 0), "val", metrics)
         record = {"ckpt": str(cfg.ckpt), "step": step, "num_samples": count,
                   "world_size": dist.world_size(), **metrics}
         (run_dir / "eval.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from app import checkpoint, dist
+from app import checkpoint, dist, watchdog
 from app.async_save import CheckpointWriter
 from app.build import (
     build_data,
@@ -94,7 +94,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     train_model: nn.Module = model if world_size == 1 else DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
         find_unused_parameters=d.find_unused_parameters, static_graph=d.static_graph,
-        broadcast_buffers=d.broadcast_buffers, bucket_cap_mb=d.bucket_cap_mb)
+        bucket_cap_mb=d.bucket_cap_mb, **dist.ddp_buffer_sync(d.broadcast_buffers))
     if cfg.compile:
         train_model = torch.compile(train_model)
     torch.manual_seed(cfg.seed + rank)  # dropout differs between ranks, repeatably
@@ -120,6 +120,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     callbacks = Callbacks.build(cfg)
     run = Run(cfg, run_dir, device, model, eval_model, optimizer, data,
               global_batch=data.batch_size * world_size * accumulate, total_steps=int(total_steps))
+    watchdog.follow(run)  # the stall watchdog names run.step
 
     def finished() -> bool:
         return stopped_early is not None or (t.max_steps is not None and step >= t.max_steps) or (
@@ -130,10 +131,12 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     stopped_early: str | None = None  # why a callback ended the run (early stopping)
     best: float | None = None
     resume_from, state = None, None
+    ckpt_dir = run_dir / "checkpoints"
+    checkpoint.check_layout(ckpt_dir)  # before training, not at its first save
     if cfg.resume == "auto":
-        resume_from, state = checkpoint.latest_valid(run_dir / "checkpoints") or (None, None)
+        resume_from, state = checkpoint.latest_valid(ckpt_dir) or (None, None)
     elif cfg.resume is not None:
-        resume_from, state = Path(cfg.resume), checkpoint.load(cfg.resume)
+        resume_from, state = Path(cfg.resume), checkpoint.load(cfg.resume, resume=True)
     if resume_from is not None:
         checkpoint.load_model_weights(model, state, resume_from)
         checkpoint.load_optimizer_state(optimizer, state, resume_from, cfg.optimizer)
@@ -149,17 +152,18 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
             log.warning("checkpoint has random states of %d ranks, this run has %d: the run "
                         "continues, but not bit-identically", len(state["rng"]), world_size)
         log.info("resumed from %s at step %d (epoch %d)", resume_from, step, epoch)
+        if dist.is_main():
+            checkpoint.repair_names(ckpt_dir, resume_from, state)
         if finished():  # a finished job run again (a re-run sweep): nothing to train
             log.info("already finished at step %d%s: nothing to train", step,
                      f" ({stopped_early})" if stopped_early else "")
     elif cfg.ckpt is not None:
         checkpoint.load_model_weights(model, checkpoint.load(cfg.ckpt), cfg.ckpt,
-                                      strict=cfg.ckpt_strict)
+                                      strict=cfg.ckpt_strict, fine_tuning=True)
         if ema is not None:
             ema.module.load_state_dict(model.state_dict())
         log.info("loaded weights from %s; training starts a new schedule", cfg.ckpt)
 
-    ckpt_dir = run_dir / "checkpoints"
     logger = MetricLogger(run_dir, cfg.logger, step if resume_from else None) \
         if dist.is_main() else None
     if logger is not None:
@@ -202,6 +206,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                      "stopped_early": stopped_early},
             "callbacks": callbacks.state_dict(),
             "best": best,
+            "is_best": is_best,  # what `checkpoint.repair_names` gives best.pt after a crash
             "metrics": val_metrics or {},
             "rng": rng,
             "config": config_record,
@@ -209,6 +214,9 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         path = ckpt_dir / checkpoint.periodic_name(step)
 
         def name_and_prune() -> None:
+            # last.pt first: a crash before best.pt leaves a last.pt that records it was the
+            # best, and the resume names it (the other order could leave a best.pt from a
+            # step that the resume trains again, differently).
             checkpoint.link(path, ckpt_dir / "last.pt")
             if is_best:
                 checkpoint.link(path, ckpt_dir / "best.pt")

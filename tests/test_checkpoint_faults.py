@@ -1,0 +1,139 @@
+"""Checkpoint files under faults: a crash between their names, a name taken by a directory,
+files of the wrong structure in every mode, a checkpoint of another head. In-process: the
+logic is the subject, not the process."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from app import checkpoint
+from app.build import build_data, build_model
+from app.errors import UserError
+from app.worker import worker
+from conftest import TINY, make_config
+
+# One checkpoint, the best, at step 3.
+SHORT = [*TINY, "trainer.max_epochs=null", "trainer.max_steps=3"]
+CPU = torch.device("cpu")
+
+
+class Killed(BaseException):
+    """Stands for a SIGKILL at a link: nothing after it runs, no handler sees it as an error."""
+
+
+def _train(run_dir, *overrides: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)  # (Hydra makes it for `python -m app`)
+    worker(make_config(*SHORT, *overrides), run_dir, CPU)
+
+
+@pytest.mark.parametrize("crash_at", ["last.pt", "best.pt"])
+def test_a_crash_between_the_names_of_the_final_checkpoint_is_repaired_on_rerun(
+        tmp_path, monkeypatch, caplog, crash_at) -> None:
+    # What `strace -e inject=link:signal=KILL:when=N python -m app ...` does to the process:
+    # the final checkpoint is on disk, and the link that would give it the name `crash_at`
+    # never happens (nor anything after it).
+    run_dir, real_link = tmp_path / "run", checkpoint.link
+
+    def link_then_die(source, name):
+        if name.name == crash_at:
+            raise Killed
+        real_link(source, name)
+
+    monkeypatch.setattr(checkpoint, "link", link_then_die)
+    with pytest.raises(Killed):
+        _train(run_dir)
+    ckpts = run_dir / "checkpoints"
+    final = ckpts / "step-00000003.pt"
+    assert final.is_file() and not (ckpts / "best.pt").exists()
+
+    monkeypatch.setattr(checkpoint, "link", real_link)
+    with caplog.at_level(logging.INFO):
+        _train(run_dir)  # the rerun: nothing left to train
+    assert "already finished at step 3" in caplog.text
+    for name in ("last.pt", "best.pt"):
+        assert os.path.samefile(ckpts / name, final), name
+    assert "best.pt now names the checkpoint of step 3" in caplog.text
+
+
+def test_a_resume_from_a_checkpoint_that_was_not_the_best_leaves_best_pt_alone(tmp_path) -> None:
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    for step in (1, 2):
+        torch.save({"model": {}}, ckpts / f"step-{step:08d}.pt")
+    checkpoint.link(ckpts / "step-00000001.pt", ckpts / "best.pt")
+    checkpoint.link(ckpts / "step-00000002.pt", ckpts / "last.pt")
+    checkpoint.repair_names(ckpts, ckpts / "last.pt", {"is_best": False})
+    assert os.path.samefile(ckpts / "best.pt", ckpts / "step-00000001.pt")
+    checkpoint.repair_names(ckpts, ckpts / "step-00000002.pt", {"is_best": True})
+    assert os.path.samefile(ckpts / "best.pt", ckpts / "step-00000002.pt")
+
+
+@pytest.mark.parametrize("name", ["last.pt", "best.pt", "step-00000003.pt"])
+def test_a_checkpoint_name_taken_by_a_directory_stops_before_training(tmp_path, name) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / name).mkdir(parents=True)
+    with pytest.raises(UserError, match=f"{name} is a directory, not a checkpoint.*move it"):
+        _train(run_dir)
+    assert not (run_dir / "metrics.csv").exists()  # nothing was trained
+
+
+@pytest.fixture(scope="module")
+def good_state(tmp_path_factory) -> dict:
+    run_dir = tmp_path_factory.mktemp("good") / "run"
+    _train(run_dir)
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+
+
+def _damaged(good: dict, damage: str) -> dict:
+    state = dict(good)
+    if damage == "model-is-a-number":
+        return {"model": 5}
+    if damage == "no-scheduler":
+        del state["scheduler"]
+    elif damage == "loop-without-epoch":
+        state["loop"] = {k: v for k, v in good["loop"].items() if k != "epoch"}
+    elif damage == "string-weights":
+        state["model"] = {k: "weights" for k in good["model"]}
+    return state
+
+
+DAMAGE = {  # what the one line must say
+    "model-is-a-number": "'model' is int, not a dict of tensors",
+    "no-scheduler": "no 'scheduler' entry, which a resume needs",
+    "loop-without-epoch": "'loop' has no 'epoch' count",
+    "string-weights": "entry 'features.0.weight' is str, not a tensor",
+}
+WEIGHTS_ONLY_MODES = ["trainer=eval", "trainer=predict", "trainer=export", "trainer=trainval"]
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("how", ["resume=auto", "resume=PATH", *WEIGHTS_ONLY_MODES])
+def test_a_checkpoint_of_the_wrong_structure_is_one_line_in_every_mode(
+        tmp_path, good_state, damage, how) -> None:
+    run_dir = tmp_path / "run"
+    path = run_dir / "checkpoints" / "last.pt"
+    path.parent.mkdir(parents=True)
+    torch.save(_damaged(good_state, damage), path)
+    overrides = {"resume=auto": [], "resume=PATH": [f"resume={path}"]}.get(
+        how, [how, f"ckpt={path}", "resume=null"])
+    if damage == "no-scheduler" and how in WEIGHTS_ONLY_MODES:
+        _train(run_dir, *overrides)  # the weights are all these modes read: it works
+        return
+    with pytest.raises(UserError, match=DAMAGE[damage]) as error:
+        _train(run_dir, *overrides)
+    assert "last.pt" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_ckpt_of_a_model_with_another_head_points_to_ckpt_strict_false(tmp_path) -> None:
+    ten = make_config(*SHORT, "data=synthetic", "data.num_samples=256")
+    model = build_model(ten, build_data(ten))
+    path = tmp_path / "ten-classes.pt"
+    torch.save({"model": model.state_dict(), "config": {"data": {"num_classes": 10}}}, path)
+    with pytest.raises(UserError, match="data.num_classes=10.*add ckpt_strict=false"):
+        _train(tmp_path / "four", "data=synthetic", "data.num_classes=4", f"ckpt={path}")
+    _train(tmp_path / "four", "data=synthetic", "data.num_classes=4", f"ckpt={path}",
+           "ckpt_strict=false", "data.num_samples=256")  # the way the message points to works
