@@ -47,3 +47,29 @@ def test_bad_input_gives_one_clear_error(case, trained, tmp_path) -> None:
     assert "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) <= 12, result.stderr  # no wall of text
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# What Hydra reports while it composes (before the task runs): one line, exit 2.
+COMPOSITION = {
+    "broken YAML on the search path": (
+        ["hydra.searchpath=[file://{conf}]", "model=broken"],
+        "{conf}/model/broken.yaml, line 3, column 8: expected ',' or ']', but got ':'"),
+    "misspelt key of a typed section": (
+        ["trainer.max_epoch=3"], "trainer.max_epoch: no such key; did you mean "
+                                 "trainer.max_epochs?"),
+    "misspelt key of a _target_ group": (
+        ["model.chanels=8"], "model.chanels: no such key; did you mean model.channels?"),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPOSITION))
+def test_composition_errors_are_one_line(case, tmp_path) -> None:
+    conf = tmp_path / "myconf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "model" / "broken.yaml").write_text(
+        "_target_: app.models.CNN\nchannels: [8, 16\ndropout: 0.1\n")
+    overrides, line = COMPOSITION[case]
+    result = run_app(tmp_path / "run", *(o.format(conf=conf) for o in overrides))
+    assert result.returncode == 2, result.output[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line.format(conf=conf)), result.stderr

@@ -16,9 +16,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from app.cluster_env import detect
+from app.compose_errors import explain_composition_errors
 from app.config import AppError, register_schemas, to_app_config
 from app.resolvers import register_resolvers
 from app.results import write_result
+from app.run_lock import RunDirInUse, RunLock
 from app.runtime import reproducible_matmuls
 from app.spawn import prestart
 
@@ -30,6 +32,7 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 reproducible_matmuls()  # before MKL's first call, in this process and every worker
 register_schemas()
 register_resolvers()
+explain_composition_errors()  # a broken YAML file, a misspelt key: one line, not Hydra's report
 # conf/hydra/launcher/submitit_*.yaml shadow the stock options on purpose (same names, app's
 # launcher) and are checked against their schemas; Hydra warns about that on every run.
 warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema")
@@ -42,7 +45,10 @@ def main(dict_cfg: DictConfig) -> float | None:
     # One process records how the job ended: the launcher, or rank 0 of a torchrun/SLURM job.
     rank_env = detect(os.environ)
     record = rank_env is None or rank_env.rank == 0
+    lock = RunLock(run_dir)  # one command per run directory: that same process holds it
     try:
+        if record:
+            lock.acquire()  # RunDirInUse (naming the holder) before anything is written
         # Convert at the boundary: below here code sees plain, resolved, typed objects.
         cfg = to_app_config(dict_cfg)
         prestart(cfg)  # a worker server imports torch while this process does the same
@@ -50,13 +56,16 @@ def main(dict_cfg: DictConfig) -> float | None:
         from app.launch import launch
 
         result = launch(cfg, run_dir)
-    except BaseException as e:
         if record:
+            write_result(run_dir, "completed", time.monotonic() - started)
+    except BaseException as e:
+        if record and not isinstance(e, RunDirInUse):  # (then the run is another command's)
             status = "interrupted" if isinstance(e, KeyboardInterrupt) or (
                 isinstance(e, AppError) and e.exit_code > 128) else "failed"  # 128 + signal
             first_line = (str(e).strip().splitlines() or [""])[0]
             write_result(run_dir, status, time.monotonic() - started,
-                         f"{type(e).__name__}: {first_line}")
+                         f"{type(e).__name__}: {first_line}", raise_errors=False)
+        lock.release()
         interrupted = isinstance(e, AppError) and e.exit_code > 128
         if HydraConfig.get().mode == RunMode.MULTIRUN and rank_env is None and \
                 isinstance(e, Exception) and not interrupted:
@@ -74,8 +83,7 @@ def main(dict_cfg: DictConfig) -> float | None:
         if HydraConfig.get().mode == RunMode.MULTIRUN and not interrupted:
             raise  # a rank of a SLURM/torchrun job: its task must fail
         sys.exit(e.exit_code)  # a signal stops a whole sweep too; a re-run resumes it
-    if record:
-        write_result(run_dir, "completed", time.monotonic() - started)
+    lock.release()
     return result
 
 

@@ -1,0 +1,143 @@
+"""Composition errors that Hydra would show as a traceback, or with the wrong advice, told in
+one line.
+
+Hydra composes the config before our task function runs, inside its own error handler
+(`hydra._internal.utils.run_and_report`): a YAML file it cannot parse comes out as some 90
+lines of traceback, and a misspelt key as advice to append it with `+` (which a typed section
+then rejects, and which for a `_target_` group passes the misspelling on). Hydra's own one-line
+errors (an unknown group option, a value of the wrong type) are left as they are, and so is
+everything when HYDRA_FULL_ERROR is set.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+
+def yaml_error_line(e: yaml.YAMLError) -> str:
+    """`FILE, line L, column C: what is wrong (context at line L', column C')`."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e).strip().splitlines()[0]
+    where = "a config file is not valid YAML"
+    if mark is not None:
+        name = mark.name if mark.name and not mark.name.startswith("<") else "a config file"
+        where = f"{name}, line {mark.line + 1}, column {mark.column + 1}"
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and context_mark is not None and context_mark is not mark:
+        problem += f" ({context} at line {context_mark.line + 1}, column {context_mark.column + 1})"
+    return f"{where}: {problem}; fix the YAML there"
+
+
+def _config_file(e: BaseException) -> str | None:
+    """The config file Hydra was reading when `e` was raised (a local of its file loader)."""
+    tb, found = e.__traceback__, None
+    while tb is not None:
+        path = tb.tb_frame.f_locals.get("full_path")
+        if tb.tb_frame.f_code.co_name == "load_config" and isinstance(path, str):
+            found = path
+        tb = tb.tb_next
+    return found
+
+
+def _target_keys(node: DictConfig) -> tuple[str | None, list[str]]:
+    """The `_target_` of a node and the keyword arguments with defaults it accepts: the knobs a
+    config file may leave out (those without a default are passed in by app itself)."""
+    target = node.get("_target_") if "_target_" in node else None
+    if not isinstance(target, str):
+        return None, []
+    try:
+        from hydra.utils import get_object
+
+        parameters = inspect.signature(get_object(target)).parameters.values()
+    except Exception:  # not importable, not inspectable: no hint from it then
+        return target, []
+    return target, [p.name for p in parameters if p.default is not inspect.Parameter.empty
+                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def missing_key_line(override: str, value: str | None, cause: Exception) -> str | None:
+    """One line for an override of a key the config does not have, with the nearest real key.
+    `override` is the key as typed (`trainer.max_epoch`); `cause` is OmegaConf's error."""
+    parent, key, full = (getattr(cause, "parent_node", None), getattr(cause, "key", None),
+                         getattr(cause, "full_key", None))
+    if not isinstance(parent, DictConfig) or not isinstance(key, str) or not full:
+        return None
+    prefix = full[: -len(key)] if full.endswith(key) else ""  # "trainer." or "" at the root
+    rest = override[len(full):] if override.startswith(full) else ""  # the part after `key`
+    keys = [str(k) for k in parent.keys()]
+    typed = OmegaConf.get_type(parent) not in (dict, None)
+    target, arguments = (None, []) if typed else _target_keys(parent)
+    extra = [a for a in arguments if a not in keys]
+    near = difflib.get_close_matches(key, keys + extra, n=1)
+    shown = f"={value}" if value is not None else ""
+    if near and near[0] in keys:
+        return f"{override}: no such key; did you mean {prefix}{near[0]}{rest}?"
+    if near:  # an argument the config file leaves at its default: adding it takes a `+`
+        return (f"{override}: no such key; did you mean +{prefix}{near[0]}{rest}{shown}? "
+                f"({target} takes {near[0]}; the config does not set it, so it needs a +)")
+    section = prefix.rstrip(".") or "the config"
+    if target is not None:  # a new argument of the target is legitimate, with `+`
+        return (f"{override}: no such key in {section} (keys: {', '.join(keys)}); to pass "
+                f"a new argument to {target}, write +{override}{shown}")
+    listing = f"`python -m app --cfg job --package {section}`" if prefix else \
+        "`python -m app --cfg job`"
+    return f"{override}: no such key in {section}; {listing} prints its keys"
+
+
+def explain(e: BaseException) -> str | None:
+    """One line for a composition error that Hydra would not say well, else None."""
+    seen = e
+    while seen is not None:  # a YAML error may come wrapped by Hydra or OmegaConf
+        if isinstance(seen, yaml.YAMLError):
+            return yaml_error_line(seen)
+        if isinstance(seen, UnicodeDecodeError) and (path := _config_file(seen)):
+            return (f"{path}: not UTF-8 text (byte {seen.object[seen.start]:#04x} at offset "
+                    f"{seen.start}); save it as UTF-8")
+        seen = seen.__cause__ or seen.__context__
+    cause = e.__cause__
+    if isinstance(e, ConfigCompositionException) and isinstance(
+            cause, ConfigKeyError | ConfigAttributeError):
+        match = re.match(r"Could not override '([^']+)'", str(e))
+        if match:
+            value = re.search(r"use \+\S+?=(.*)$", str(e), re.M)
+            return missing_key_line(match[1], value[1] if value else None, cause)
+    return None
+
+
+def explain_composition_errors() -> None:
+    """Wrap the function Hydra runs inside its error handler, so that what `explain` knows
+    reaches the user as one line and exit status 2 instead of Hydra's report. Hydra offers no
+    hook for composition errors: this replaces the module attribute its entry point calls, and
+    does nothing when that attribute is missing (another Hydra) or HYDRA_FULL_ERROR is set."""
+    from hydra._internal import utils
+
+    report = getattr(utils, "run_and_report", None)
+    if report is None or getattr(report, "app_wrapped", False):
+        return
+
+    def run_and_report(func: Callable[[], Any]) -> Any:
+        def composed() -> Any:
+            try:
+                return func()
+            except Exception as e:
+                line = None if os.environ.get("HYDRA_FULL_ERROR") == "1" else explain(e)
+                if line is None:
+                    raise
+                print(line, file=sys.stderr)
+                sys.exit(2)  # SystemExit passes Hydra's handler, which catches Exception only
+
+        return report(composed)
+
+    run_and_report.app_wrapped = True  # type: ignore[attr-defined]
+    utils.run_and_report = run_and_report

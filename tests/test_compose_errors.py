@@ -1,0 +1,70 @@
+"""Composition errors Hydra says badly, told in one line (app.compose_errors), in-process."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from app.build import build_data, build_model
+from app.compose_errors import explain
+from app.config import UserError
+from conftest import make_config
+
+MISSPELT = [
+    (["trainer.max_epoch=3"], "trainer.max_epoch: no such key; did you mean trainer.max_epochs?"),
+    (["distributed.bakend=gloo"], "did you mean distributed.backend?"),
+    (["model.chanels=8"], "model.chanels: no such key; did you mean model.channels?"),
+    (["modle.channels=8"], "modle.channels: no such key; did you mean model.channels?"),
+    (["data.val_fractoin=0.1"], "did you mean data.val_fraction?"),
+    (["callbacks.model_sumary.depth=2"], "did you mean callbacks.model_summary.depth?"),
+    # An argument of the target that the config file leaves out: it takes a `+`.
+    (["optimizer=adamw", "optimizer.maximise=true"], "did you mean +optimizer.maximize=true?"),
+    (["optimizer=adamw", "optimizer.amsgrd=true"], "did you mean +optimizer.amsgrad=true?"),
+    # Nothing near: a typed section points to its keys, a `_target_` node to the `+` form.
+    (["trainer.zzz=1"], "`python -m app --cfg job --package trainer` prints its keys"),
+    (["model.newkey=1"], "to pass a new argument to app.models.CNN, write +model.newkey=1"),
+]
+
+
+def _composition_error(*overrides: str) -> ConfigCompositionException:
+    with pytest.raises(ConfigCompositionException) as err:
+        make_config(*overrides)
+    return err.value
+
+
+@pytest.mark.parametrize("overrides,words", MISSPELT)
+def test_a_misspelt_key_gets_the_nearest_real_key(overrides: list[str], words: str) -> None:
+    line = explain(_composition_error(*overrides))
+    assert line is not None and words in line, line
+    assert "\n" not in line and "To append" not in line
+
+
+def test_hydra_errors_that_read_well_are_left_to_hydra() -> None:
+    assert explain(_composition_error("model=resnet")) is None  # lists the options itself
+    assert explain(_composition_error("trainer.max_epochs=many")) is None  # names the type
+
+
+def test_a_new_argument_with_plus_still_reaches_the_target() -> None:
+    cfg = make_config("+model.newkey=1")
+    assert cfg.model["newkey"] == 1
+    with pytest.raises(UserError, match="newkey"):  # CNN takes no such argument
+        build_model(cfg, build_data(cfg))
+    assert make_config("optimizer=adamw", "+optimizer.amsgrad=true").optimizer["amsgrad"]
+
+
+@pytest.mark.parametrize("text,where,words", [
+    ("_target_: app.models.CNN\nchannels: [8, 16\ndropout: 0.1\n", "line 3, column 8",
+     "expected ',' or ']'"),
+    ("a: 1\na: 2\n", "line 2, column 1", "found duplicate key"),
+    ("a:\n\tb: 1\n", "line 2, column 1", "'\\t' that cannot start any token"),
+])
+def test_invalid_yaml_names_file_line_and_column(tmp_path, text: str, where: str,
+                                                 words: str) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(yaml.YAMLError) as err, open(path) as f:
+        OmegaConf.load(f)  # as Hydra reads a config file
+    line = explain(err.value)
+    assert line is not None and line.startswith(f"{path}, {where}: ") and words in line, line
