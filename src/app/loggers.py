@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import csv
+import io
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from app.config import LoggerConfig
 from app.errors import UserError
+from app.files import appending, write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -41,23 +42,23 @@ class CSVLogger:
 
     def _rewrite(self) -> None:
         # Written aside and renamed: a kill mid-write leaves the previous table, not half of it.
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self.columns)
-            writer.writeheader()
-            writer.writerows(self.rows)
-        os.replace(tmp, self.path)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.columns)
+        writer.writeheader()
+        writer.writerows(self.rows)
+        write_text_atomically(self.path, text.getvalue())
 
     def log(self, step: int, epoch: int, split: str, metrics: dict[str, float]) -> None:
         row = {"step": step, "epoch": epoch, "split": split, **metrics}
-        self.rows.append(row)
         new = [k for k in metrics if k not in self.columns]
         if new:
+            self.rows.append(row)
             self.columns += new
             self._rewrite()
             return
-        with open(self.path, "a", newline="") as f:
+        with appending(self.path) as f:  # a failed append leaves no partial row
             csv.DictWriter(f, fieldnames=self.columns).writerow(row)
+        self.rows.append(row)
 
 
 class MLflowLogger:

@@ -5,20 +5,30 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from app.files import WriteFailed, write_text_atomically
+
+log = logging.getLogger(__name__)
 
 RESULT = "result.json"
 
 
-def write_result(run_dir: Path, status: str, wall_s: float, error: str | None = None) -> None:
-    """Record how the run ended, atomically (a summary may read it at any time)."""
+def write_result(run_dir: Path, status: str, wall_s: float, error: str | None = None,
+                 raise_errors: bool = True) -> None:
+    """Record how the run ended, atomically (a summary may read it at any time). A write that
+    fails (a full disk) is a WriteFailed; or, with `raise_errors=False` (a run that failed
+    already: its own error is the one to report), a warning."""
     record = {"status": status, "wall_s": round(wall_s, 3), "error": error}
-    tmp = run_dir / f".{RESULT}.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, run_dir / RESULT)
+    try:
+        write_text_atomically(run_dir / RESULT, json.dumps(record, indent=2) + "\n")
+    except WriteFailed as e:
+        if raise_errors:
+            raise
+        log.warning("%s", e)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, str]]:

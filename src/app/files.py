@@ -1,0 +1,52 @@
+"""Run files that a full disk must not leave half-written: one way to write them.
+
+A failed write (a full disk, a quota, a read-only mount) removes what it had begun and
+becomes one line (`AppError`) naming the file and why; the file's previous content is intact.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from app.errors import AppError
+
+
+class WriteFailed(AppError):
+    """A run file could not be written (its previous content is intact)."""
+
+
+def write_failed(path: Path, e: OSError) -> WriteFailed:
+    reason = e.strerror or str(e) or type(e).__name__
+    return WriteFailed(f"{path} could not be written ({reason}); its previous content is "
+                       f"intact: free some space (or fix the mount) and run again")
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write `text` aside and rename it into place: readers see the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_failed(path, e) from e
+
+
+@contextmanager
+def appending(path: Path) -> Iterator:
+    """Append to `path`; if the append fails, cut the file back to its previous end, so a
+    failed append leaves no partial line."""
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with open(path, "a", newline="") as f:
+            yield f
+    except OSError as e:
+        try:
+            os.truncate(path, size)
+        except OSError:
+            pass  # (nothing more to do: a reader drops a partial last line)
+        raise write_failed(path, e) from e

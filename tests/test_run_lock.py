@@ -1,0 +1,65 @@
+"""One command per run directory: a second one is refused in one line and writes nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from app.run_lock import RunDirInUse, RunLock
+from conftest import REPO, TINY, read_metrics, run_app, wait_for_rows
+
+
+def test_a_second_lock_on_a_run_directory_names_the_holder(tmp_path) -> None:
+    first = RunLock(tmp_path)
+    first.acquire()
+    with pytest.raises(RunDirInUse, match=f"in use by another command "
+                                          f"\\(pid {os.getpid()} on {socket.gethostname()}\\)"):
+        RunLock(tmp_path).acquire()
+    first.release()
+    second = RunLock(tmp_path)
+    second.acquire()  # free again once released
+    assert second.held
+    second.release()
+
+
+def test_a_requeued_slurm_job_waits_for_the_lock_of_its_previous_run(tmp_path,
+                                                                    monkeypatch) -> None:
+    previous = RunLock(tmp_path)
+    previous.acquire()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    threading.Timer(0.5, previous.release).start()  # the previous run's process goes away
+    requeued = RunLock(tmp_path)
+    requeued.acquire()  # waits instead of failing
+    assert requeued.held
+    requeued.release()
+
+
+def test_two_commands_on_one_run_directory_the_second_is_refused_and_writes_nothing(
+        tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*TINY, "trainer.max_epochs=1000"]
+    first = subprocess.Popen([sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *args],
+                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_rows(run_dir, 3)  # the first one trains
+        assert first.poll() is None
+        second = run_app(run_dir, *args)
+        assert second.returncode == 2, second.output[-3000:]
+        assert "Traceback" not in second.output
+        assert f"is in use by another command (pid {first.pid} on" in second.output
+        assert not (run_dir / "result.json").exists()  # nothing recorded for the first one
+    finally:
+        first.send_signal(signal.SIGKILL)  # the lock dies with its holder
+        first.wait()
+    rows = [(r["step"], r["split"]) for r in read_metrics(run_dir)]
+    assert len(rows) == len(set(rows))  # no row written twice
+    assert not (run_dir / "result.json").exists()
+    after = RunLock(run_dir)
+    after.acquire()  # free again: no stale lock after a SIGKILL
+    after.release()
