@@ -102,9 +102,23 @@ def test_validate_names_the_key(overrides: list[str], words: str) -> None:
     (["data.batch_size=0"], "data.batch_size=0"),
     (["model.dropout=1.5"], "model.dropout=1.5"),
     (["model.channels=[8,8,8,8]"], "model.channels"),
+    (["data.val_fraction=0.0001"], "data.val_fraction=0.0001 of 1797 samples leaves no sample "
+                                   "for validation; the minimum is 0.00056"),
+    (["data.val_fraction=0.9999"], "no sample for training"),
+    (["data=synthetic", "data.num_samples=4", "data.val_fraction=0.1"], "the minimum is 0.25"),
 ])
 def test_bad_object_settings_name_the_key(overrides: list[str], words: str) -> None:
     cfg = make_config(*overrides)
     with pytest.raises(UserError) as err:
         build_model(cfg, build_data(cfg))
     assert words in str(err.value)
+
+
+def test_an_empty_validation_split_of_any_data_module_fails_at_build(monkeypatch) -> None:
+    from app import data as data_module
+
+    # A data module whose own split gives no validation samples (here: a split made empty).
+    monkeypatch.setattr(data_module, "_split", lambda num, fraction, seed: (
+        torch.arange(num), torch.arange(0)))
+    with pytest.raises(UserError, match="validation split is empty"):
+        build_data(make_config())

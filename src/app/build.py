@@ -38,6 +38,9 @@ def build_data(cfg: AppConfig) -> DataModule:
     data = instantiate_group("data", cfg.data)
     if not isinstance(data, DataModule):
         raise UserError(f"data._target_={cfg.data['_target_']} does not build an app DataModule")
+    if len(data.val) == 0:  # validation would divide by its zero samples
+        raise UserError(f"data ({cfg.data['_target_']}): the validation split is empty; give it "
+                        f"at least one sample (data.val_fraction, or the data set's own split)")
     if data.cache:
         data.cache_in_memory()
     return data

@@ -102,8 +102,13 @@ class ShiftedImages(Dataset):
 def _split(num: int, val_fraction: float, split_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not 0 < val_fraction < 1:
         raise UserError(f"data.val_fraction={val_fraction}: must lie strictly between 0 and 1")
-    order = torch.randperm(num, generator=torch.Generator().manual_seed(split_seed))
     num_val = round(num * val_fraction)
+    if not 0 < num_val < num:  # an empty split would divide by zero at the first validation
+        split = "no sample for validation" if num_val < 1 else "no sample for training"
+        raise UserError(
+            f"data.val_fraction={val_fraction} of {num} samples leaves {split}; the minimum is "
+            f"{1 / num:.2g} and the maximum {1 - 1 / num:.4g} (one sample in each split)")
+    order = torch.randperm(num, generator=torch.Generator().manual_seed(split_seed))
     return order[num_val:], order[:num_val]
 
 
