@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 import pytest
 from omegaconf import OmegaConf
@@ -109,6 +111,10 @@ def test_rerun_sweep_skips_finished_jobs_and_resumes_the_rest(tmp_path) -> None:
     assert "resumed from" in logs[1] and "done: step 66" in logs[1]
     rows = _summary(sweep)
     assert len(rows) == 2 and {r["status"] for r in rows} == {"completed"}
+    # Job 1 ran twice (killed, then resumed): its wall time counts both attempts.
+    job1 = next(r for r in rows if r["job"] == "1")
+    last_attempt = json.loads((sweep / "1" / "result.json").read_text())["wall_s"]
+    assert job1["attempts"] == "2" and float(job1["wall_s"]) > last_attempt
 
 
 def test_mlflow_and_tensorboard_together(tmp_path) -> None:
@@ -132,3 +138,68 @@ def test_mlflow_missing_is_a_clear_error(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if it were not installed
     with pytest.raises(UserError, match="pip install mlflow-skinny"):
         MLflowLogger(tmp_path, "sqlite:///x.db", "app")
+
+
+def _job_dir(sweep, num: int, overrides: list[str], log: list[str], result: dict | None,
+             rows: list[str] | None = None):
+    """A job directory as a run leaves it: overrides, train.log, metrics.csv, result.json."""
+    run_dir = sweep / str(num)
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text(
+        "".join(f"- {o}\n" for o in overrides))
+    (run_dir / "train.log").write_text("".join(f"{line}\n" for line in log))
+    (run_dir / "metrics.csv").write_text("step,epoch,split,loss,lr,acc\n" + "".join(
+        f"{r}\n" for r in rows or []))
+    if result is not None:
+        (run_dir / "result.json").write_text(json.dumps(result))
+    return run_dir
+
+
+def _record(clock: str, message: str) -> str:
+    return f"[2026-12-03 {clock},000][app.train][INFO] - {message}"
+
+
+def test_summary_counts_every_attempt_and_the_step_a_job_failed_at(tmp_path) -> None:
+    from app.summary import ATTEMPT, write_summary
+
+    sweep = tmp_path / "sweep"
+    # Job 0 was killed after 30 s, then resumed an hour later and completed in 5 s.
+    resumed = _job_dir(sweep, 0, ["optimizer.lr=0.01"], [
+        _record("10:00:00", f"{ATTEMPT}: pid 11"), _record("10:00:30", "step 20/44 ..."),
+        _record("11:00:00", f"{ATTEMPT}: pid 12"), _record("11:00:05", "done: step 44")],
+        {"status": "completed", "wall_s": 5.0, "error": None},
+        rows=["44,1,val,0.5,,0.9"])
+    finished = datetime(2026, 12, 3, 11, 0, 6).timestamp()
+    os.utime(resumed / "result.json", (finished, finished))
+    # Job 1 failed at step 5, before its first logged row (log_every_n_steps=10).
+    _job_dir(sweep, 1, ["optimizer.lr=1e6"], [_record("10:00:00", f"{ATTEMPT}: pid 13")],
+             {"status": "failed", "wall_s": 2.0, "error": "AppError: the training loss was "
+              "nan at step 5: training stopped"})
+    # Job 2 completed once, then a second attempt was killed 20 s in (no new result.json).
+    killed = _job_dir(sweep, 2, ["optimizer.lr=0.1"], [
+        _record("10:00:00", f"{ATTEMPT}: pid 14"), _record("10:00:04", "done: step 44"),
+        _record("10:10:00", f"{ATTEMPT}: pid 15"), _record("10:10:20", "step 10/44 ...")],
+        {"status": "completed", "wall_s": 4.5, "error": None}, rows=["44,1,val,0.6,,0.8"])
+    written = datetime(2026, 12, 3, 10, 0, 5).timestamp()
+    os.utime(killed / "result.json", (written, written))
+
+    write_summary(sweep)
+    rows = {r["job"]: r for r in _summary(sweep)}
+    assert (float(rows["0"]["wall_s"]), rows["0"]["attempts"]) == (35.0, "2")
+    assert (float(rows["2"]["wall_s"]), rows["2"]["attempts"]) == (24.0, "2")
+    assert rows["1"]["status"] == "failed" and rows["1"]["steps"] == "5"
+    assert (sweep / "1" / "plots" / "curves.png").is_file()  # drawn by the summary
+
+
+def test_a_job_that_fails_mid_training_has_its_step_and_curves(tmp_path) -> None:
+    # lr=1e6 makes the loss NaN within a few steps, before the first logged row (every 10).
+    proc, _ = multirun(tmp_path, "optimizer.lr=0.003,1e6", *TINY, "trainer.max_epochs=1",
+                       "trainer.log_every_n_steps=10")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["overrides"]: r for r in _summary(tmp_path / "sweep")}
+    failed = next(r for o, r in rows.items() if "1e6" in o or "1000000" in o)
+    assert failed["status"] == "failed" and "at step" in failed["error"]
+    assert int(failed["steps"]) > 0 and failed["attempts"] == "1" and float(failed["wall_s"]) > 0
+    assert (tmp_path / "sweep" / failed["job"] / "plots" / "curves.png").is_file()
+    log = (tmp_path / "sweep" / failed["job"] / "train.log").read_text()
+    assert log.count("attempt started") == 1

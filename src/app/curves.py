@@ -200,9 +200,10 @@ def draw_curves(run_dir: Path, note: str | None = None) -> Path | None:
     """Training loss, validation loss and accuracy against step -> plots/curves.png.
 
     `note`: how the run ended, for a run that did not complete (shown under the path); such a
-    run gets a picture even when it logged nothing."""
+    run gets a picture even when it failed before it logged a row (but not a run that never
+    trained: no metrics.csv)."""
     series = read_series(run_dir)
-    if not series and note is None:
+    if not series and (note is None or not (run_dir / "metrics.csv").is_file()):
         return None
     image = Image.new("RGB", (WIDTH, HEIGHT), "white")
     draw = ImageDraw.Draw(image)

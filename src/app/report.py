@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 from app.curves import draw_curves
-from app.results import run_summary
-from app.summary import markdown, write_summary
+from app.summary import curves_note, job_summary, markdown, write_summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,16 +16,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", type=Path, help="a run directory or a sweep directory")
     path = parser.parse_args(argv).path
     if (path / "metrics.csv").is_file():
-        curves = draw_curves(path)
-        summary = run_summary(path)
-        print(f"run {path}: {summary['status']}, {summary['steps']} steps, best "
+        summary = job_summary(path)
+        curves = draw_curves(path, note=curves_note(summary))
+        print(f"run {path}: {summary['status']}, {summary['steps'] or 0} steps, best "
               f"{summary['monitor']} {summary['best']}, final {summary['final']}")
         print(f"curves: {curves}")
         return 0
     if any(path.glob("*/.hydra/overrides.yaml")):
         jobs = write_summary(path)
-        for job in jobs:
-            if job["status"] != "no result":
+        for job in jobs:  # (write_summary drew those of the jobs that did not complete)
+            if job["status"] == "completed":
                 draw_curves(Path(job["run_dir"]))
         print(markdown(jobs))
         print(f"\n{path / 'summary.csv'}, {path / 'summary.md'}, {path / 'summary.png'}")

@@ -11,7 +11,9 @@ import csv
 import logging
 import math
 import os
+import re
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +22,75 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from app.cluster_env import detect
+from app.curves import draw_curves
 from app.plots import draw_summary
-from app.results import run_summary
+from app.results import RESULT, run_summary
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ["job", "overrides", "status", "best", "final", "steps", "wall_s", "run_dir", "error"]
+COLUMNS = ["job", "overrides", "status", "best", "final", "steps", "wall_s", "attempts",
+           "run_dir", "error"]
+# A job run again (resumed, requeued) appends to its train.log: each process that runs it
+# marks its start there (SweepSummary.on_job_start), and its last record marks its end.
+ATTEMPT = "attempt started"
+RECORD = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[[^]]*\]\[\w+\] - (.*)")
+
+
+def attempts(run_dir: Path) -> list[tuple[float, float]]:
+    """(start, end) in seconds since the epoch of each process that ran the job, from the
+    records of its train.log (their times are this machine's local time)."""
+    path = run_dir / "train.log"
+    spans: list[list[float]] = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        match = RECORD.match(line)
+        if match is None:
+            continue  # a record's continuation lines (a traceback, a config)
+        at = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if not spans or match[2].startswith(ATTEMPT):
+            spans.append([at, at])
+        spans[-1][1] = max(spans[-1][1], at)
+    return [(start, end) for start, end in spans]
+
+
+def wall_time(run_dir: Path, last_wall_s: float | None) -> tuple[float | None, int]:
+    """The job's wall time over all its attempts, and their number. result.json holds the
+    last attempt's own wall time; earlier ones (killed ones too) are read from train.log."""
+    spans = attempts(run_dir)
+    if len(spans) <= 1:
+        return last_wall_s, max(len(spans), last_wall_s is not None)
+    earlier = sum(end - start for start, end in spans[:-1])
+    result = run_dir / RESULT
+    if last_wall_s is not None and result.stat().st_mtime >= spans[-1][0]:
+        return earlier + last_wall_s, len(spans)
+    # The last attempt has not written result.json yet (still running, or killed).
+    return earlier + spans[-1][1] - spans[-1][0], len(spans)
+
+
+def steps_reached(run_dir: Path, logged: int, error: str | None) -> int | None:
+    """The furthest step a job is known to have reached: its last logged metrics, its newest
+    checkpoint, or the step its error names (a job can fail before it logs anything)."""
+    known = [logged] if logged else []
+    known += [int(p.stem.removeprefix("step-")) for p in (run_dir / "checkpoints").glob(
+        "step-*.pt") if p.stem.removeprefix("step-").isdigit()]
+    named = re.search(r"at step (\d+)", error or "")
+    known += [int(named[1])] if named else []
+    return max(known, default=None)
+
+
+def job_summary(run_dir: Path) -> dict[str, Any]:
+    """results.run_summary, with the steps and the wall time of every attempt."""
+    summary = run_summary(run_dir)
+    summary["steps"] = steps_reached(run_dir, summary["steps"], summary["error"])
+    summary["wall_s"], summary["attempts"] = wall_time(run_dir, summary["wall_s"])
+    return summary
+
+
+def curves_note(summary: dict[str, Any]) -> str | None:
+    """What a job's curves say about how it ended, when it did not complete."""
+    if summary["status"] == "completed":
+        return None
+    at = f" at step {summary['steps']}" if summary["steps"] else ""
+    return f"{summary['status']}{at}" + (f": {summary['error']}" if summary["error"] else "")
 
 
 def _overrides(run_dir: Path) -> list[str]:
@@ -44,7 +109,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         overrides = _overrides(run_dir)
         jobs.append({"job": run_dir.name, "overrides": " ".join(overrides),
                      "run_dir": str(run_dir), "overrides_list": overrides,
-                     **run_summary(run_dir)})
+                     **job_summary(run_dir)})
     # The keys that differ between jobs name them; the rest is noise in a table.
     common = set.intersection(*(set(j["overrides_list"]) for j in jobs)) if jobs else set()
     for job in jobs:
@@ -82,15 +147,36 @@ def write_summary(sweep_dir: Path, draw: bool = True) -> list[dict[str, Any]]:
         f"# Sweep {sweep_dir}\n\nSorted by best {monitor}.\n\n{markdown(jobs)}\n")
     if draw:
         draw_summary(sweep_dir, jobs, monitor)
+        for job in jobs:  # a job that did not complete never drew its own
+            if job["status"] != "completed":
+                draw_curves(Path(job["run_dir"]), note=curves_note(job))
     return jobs
 
 
 class SweepSummary(Callback):
-    """Hydra callback: keep the sweep's table current after each job; print it at the end."""
+    """Hydra callback: mark each attempt of a job in its train.log; keep the sweep's table
+    current after each job; print it at the end."""
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        rank_env = detect(os.environ)
+        if rank_env is not None and rank_env.rank != 0:
+            return  # (every task of a SLURM job starts with Hydra's train.log handler)
+        # To the log files only: a console has no use for it.
+        record = logging.LogRecord(__name__, logging.INFO, __file__, 0, "%s: pid %d",
+                                   (ATTEMPT, os.getpid()), None)
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.handle(record)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         rank_env = detect(os.environ)  # every task of a SLURM job calls this: one writes
-        if config.hydra.mode == RunMode.MULTIRUN and (rank_env is None or rank_env.rank == 0):
+        if rank_env is not None and rank_env.rank != 0:
+            return
+        run_dir = Path(config.hydra.runtime.output_dir)
+        summary = job_summary(run_dir)
+        if summary["status"] != "completed":  # training draws the curves only at its end
+            draw_curves(run_dir, note=curves_note(summary))
+        if config.hydra.mode == RunMode.MULTIRUN:
             # Without the picture: drawing after every job would cost more than the table.
             write_summary(Path(config.hydra.sweep.dir), draw=False)
 
