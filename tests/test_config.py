@@ -90,6 +90,10 @@ def test_wrong_enum_fails_at_compose() -> None:
     (["nodes=2", "machine_rank=2", "dist_url=tcp://h:1"], "machine_rank=2"),
     (["dist_url=localhost"], "dist_url=localhost"),
     (["distributed.start_method=thread"], "distributed.start_method=thread"),
+    (["seed=9223372036854775807"], "seed=9223372036854775807: a seed is a whole number from 0 "
+                                   "to 4294967295"),
+    (["seed=4294967296"], "seed=4294967296"),
+    (["seed=-1"], "seed=-1"),
 ])
 def test_validate_names_the_key(overrides: list[str], words: str) -> None:
     with pytest.raises(UserError) as err:
@@ -122,3 +126,25 @@ def test_an_empty_validation_split_of_any_data_module_fails_at_build(monkeypatch
         torch.arange(num), torch.arange(0)))
     with pytest.raises(UserError, match="validation split is empty"):
         build_data(make_config())
+
+
+@pytest.mark.parametrize("overrides", [["data.split_seed=18446744073709551616"],
+                                       ["data=synthetic", "data.data_seed=-1"]])
+def test_data_seeds_are_bounded_like_the_run_seed(overrides: list[str]) -> None:
+    with pytest.raises(UserError, match="a seed is a whole number from 0 to 4294967295"):
+        build_data(make_config(*overrides))
+
+
+def test_the_largest_seed_trains(tmp_path) -> None:
+    """Every seed the check lets through survives the arithmetic the loop and the data sets
+    do with it (per-epoch and per-sample seeds)."""
+    from app.train import train
+
+    cfg = make_config("seed=4294967295", "data.shift=1", "model.channels=[4]",
+                      "trainer.max_epochs=null", "trainer.max_steps=2",
+                      "trainer.val_every_n_epochs=null", "trainer.ckpt_every_n_epochs=null",
+                      "trainer.progress_bar=false", "trainer.async_checkpoint=false",
+                      "callbacks=none")
+    validate(cfg)
+    train(cfg, tmp_path, torch.device("cpu"))
+    assert (tmp_path / "checkpoints" / "last.pt").is_file()

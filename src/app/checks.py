@@ -17,6 +17,18 @@ def whole(key: str, value: Any, minimum: int) -> int:
     return value
 
 
+# The largest seed: the loop and the data sets derive per-epoch and per-sample seeds from it
+# (seed * 100_003 + epoch ...), and torch's generators take 64 bits; NumPy's seeds are 32 bits.
+SEED_MAX = 2**32 - 1
+
+
+def seed_value(key: str, value: Any) -> int:
+    """`value` as a seed: a whole number from 0 to SEED_MAX."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
+        raise UserError(f"{key}={value}: a seed is a whole number from 0 to {SEED_MAX} (2**32 - 1)")
+    return value
+
+
 def widths(key: str, value: Any) -> list[int]:
     """`value` as a list of positive whole numbers (layer widths, a shape)."""
     try:

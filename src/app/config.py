@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+from app.checks import seed_value
 from app.errors import AppError, UserError  # noqa: F401 (the config's errors, re-exported)
 
 
@@ -212,8 +213,7 @@ def validate(cfg: AppConfig) -> None:
         raise UserError(f"occupy={cfg.occupy}: a fraction of free GPU memory in [0, 1)")
     if cfg.device_id is not None and cfg.device_id < 0:
         raise UserError(f"device_id={cfg.device_id}: must be 0 or more")
-    if cfg.seed < 0:
-        raise UserError(f"seed={cfg.seed}: must be 0 or more")
+    seed_value("seed", cfg.seed)
     for group in ("model", "data", "optimizer"):
         node = getattr(cfg, group)
         if not isinstance(node, dict) or "_target_" not in node:

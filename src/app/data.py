@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from app.checks import whole, widths
+from app.checks import seed_value, whole, widths
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,8 @@ class ShiftedImages(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         seed, epoch = self.key.tolist()
-        g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 10_007 + index)
+        # Folded into the 64 bits torch's generators take (a large seed overflows them).
+        g = torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 10_007 + index) % 2**64)
         dy, dx = (torch.randint(-self.shift, self.shift + 1, (2,), generator=g)).tolist()
         s = self.shift
         padded = torch.nn.functional.pad(self.images[index], (s, s, s, s))
@@ -159,6 +160,7 @@ class Digits(DataModule):
     ) -> None:
         super().__init__(batch_size, val_batch_size, num_workers, pin_memory,
                          persistent_workers, cache)
+        seed_value("data.split_seed", split_seed)
         if not 0 <= shift < 8:
             raise UserError(f"data.shift={shift}: a number of pixels in [0, 8)")
         images, labels = load_digits_arrays()
@@ -197,6 +199,7 @@ class Synthetic(DataModule):
                          persistent_workers, cache)
         whole("data.num_samples", num_samples, 2)
         whole("data.num_classes", num_classes, 2)
+        seed_value("data.data_seed", data_seed)
         self.input_shape = tuple(widths("data.input_shape", input_shape))
         if not self.input_shape:
             raise UserError("data.input_shape=[]: give at least one dimension")
