@@ -68,5 +68,5 @@ def launch(cfg: AppConfig, run_dir: Path) -> float | None:
         url = _free_local_url() if cfg.dist_url == "auto" else cfg.dist_url
         return spawn(cfg, run_dir, kind, devices, url)
     if cfg.device_id is not None:
-        return worker(cfg, run_dir, select_device_id(kind, cfg.device_id))
+        return worker(cfg, run_dir, select_device_id(kind, cfg.device_id, cfg.accelerator))
     return worker(cfg, run_dir, select_device(kind, 0, cfg.distributed.set_device_rank))

@@ -77,23 +77,38 @@ VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK",
                "npu": "ASCEND_RT_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES"}
 
 
-def select_device_id(kind: str, device_id: int) -> torch.device:
+def select_device_id(kind: str, device_id: int, requested: str = "auto") -> torch.device:
     """Device `device_id` for a one-process run (the older launchers' --gpu); indices count
-    among the visible devices, as PyTorch numbers them under CUDA_VISIBLE_DEVICES."""
+    among the visible devices, as PyTorch numbers them under CUDA_VISIBLE_DEVICES. `requested`
+    is the accelerator asked for, which `kind` differs from when it fell back to the CPU."""
     count = device_count(kind)
     if not 0 <= device_id < count:
-        variable = VISIBLE_ENV.get(kind, "")
-        shown = f"; {variable}={os.environ[variable]}" if os.environ.get(variable) else ""
-        there = (f"{kind} has one device: device_id picks among GPUs and other accelerators "
-                 f"(accelerator=cuda device_id=N)") if kind in ("cpu", "mps") else (
-            f"{count} {kind} device(s) are visible (0 to {count - 1}{shown}); indices count "
-            f"among the visible devices" if count else f"no {kind} device is visible{shown}")
-        raise UserError(f"device_id={device_id}: {there}")
+        raise UserError(f"device_id={device_id}: {_no_such_device(kind, count, requested)}")
     if kind in ("cpu", "mps"):
         return torch.device(kind)
     device = torch.device(kind, device_id)
     _module(kind).set_device(device)
     return device
+
+
+def _no_such_device(kind: str, count: int, requested: str) -> str:
+    """Why device_id names no device here, and what to type instead."""
+    def shown(kind: str) -> str:
+        variable = VISIBLE_ENV.get(kind, "")
+        return f" ({variable}={os.environ[variable]})" if os.environ.get(variable) else ""
+
+    if kind not in ("cpu", "mps"):
+        return (f"{count} {kind} device(s) are visible{shown(kind)}, numbered 0 to {count - 1} "
+                f"among the visible ones; pick one of those") if count else \
+            f"no {kind} device is visible here{shown(kind)}; drop device_id"
+    if requested not in ("auto", kind):  # accelerator=cuda fell back to the CPU
+        return (f"no {requested} device is visible here{shown(requested)}, so the run would "
+                f"be on the {kind}, which is one device; drop device_id (and use "
+                f"accelerator={kind})")
+    if requested == "auto":
+        return f"the one device visible here is the {kind}; drop device_id"
+    return (f"accelerator={kind} is one device; drop device_id (it picks among GPUs and other "
+            f"accelerators: accelerator=cuda device_id=N)")
 
 
 def reproducible_matmuls() -> None:

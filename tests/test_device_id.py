@@ -1,0 +1,28 @@
+"""`device_id` where the device asked for is not there: say what is missing and what to type."""
+
+from __future__ import annotations
+
+import pytest
+
+from app import launch as launch_module
+from app import runtime
+from app.config import UserError
+from conftest import make_config
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["accelerator=cuda", "device_id=3"],
+     "device_id=3: no cuda device is visible here, so the run would be on the cpu, which is one "
+     "device; drop device_id (and use accelerator=cpu)"),
+    (["accelerator=auto", "device_id=1"], "the one device visible here is the cpu; drop device_id"),
+    (["accelerator=cpu", "device_id=1"], "accelerator=cpu is one device; drop device_id"),
+])
+def test_device_id_without_its_device_says_what_to_type(monkeypatch, tmp_path, overrides,
+                                                        words) -> None:
+    monkeypatch.setattr(runtime, "available", lambda kind: kind == "cpu")  # a machine, no GPU
+    monkeypatch.setattr(launch_module, "detect", lambda env: None)  # not a rank of a job
+    with pytest.raises(UserError) as err:
+        launch_module.launch(make_config(*overrides), tmp_path)
+    assert words in str(err.value), str(err.value)
+    if "accelerator=cuda" in overrides:
+        assert "accelerator=cuda device_id" not in str(err.value)  # not what the user typed
