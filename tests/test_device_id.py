@@ -14,8 +14,9 @@ from conftest import make_config
     (["accelerator=cuda", "device_id=3"],
      "device_id=3: no cuda device is visible here, so the run would be on the cpu, which is one "
      "device; drop device_id (and use accelerator=cpu)"),
-    (["accelerator=auto", "device_id=1"], "the one device visible here is the cpu; drop device_id"),
-    (["accelerator=cpu", "device_id=1"], "accelerator=cpu is one device; drop device_id"),
+    (["accelerator=auto", "device_id=1"],
+     "cpu has one device, and no GPU or other accelerator is visible; drop device_id"),
+    (["accelerator=cpu", "device_id=1"], "drop it for accelerator=cpu"),
 ])
 def test_device_id_without_its_device_says_what_to_type(monkeypatch, tmp_path, overrides,
                                                         words) -> None:

@@ -95,20 +95,20 @@ def _no_such_device(kind: str, count: int, requested: str) -> str:
     """Why device_id names no device here, and what to type instead."""
     def shown(kind: str) -> str:
         variable = VISIBLE_ENV.get(kind, "")
-        return f" ({variable}={os.environ[variable]})" if os.environ.get(variable) else ""
+        return f"{variable}={os.environ[variable]}" if os.environ.get(variable) else ""
 
     if kind not in ("cpu", "mps"):
-        return (f"{count} {kind} device(s) are visible{shown(kind)}, numbered 0 to {count - 1} "
-                f"among the visible ones; pick one of those") if count else \
-            f"no {kind} device is visible here{shown(kind)}; drop device_id"
+        return (f"{count} {kind} device(s) are visible (0 to {count - 1}"
+                f"{'; ' + shown(kind) if shown(kind) else ''}); indices count among the visible "
+                f"devices") if count else f"no {kind} device is visible here; drop device_id"
     if requested not in ("auto", kind):  # accelerator=cuda fell back to the CPU
-        return (f"no {requested} device is visible here{shown(requested)}, so the run would "
-                f"be on the {kind}, which is one device; drop device_id (and use "
-                f"accelerator={kind})")
+        where = f" ({shown(requested)})" if shown(requested) else ""
+        return (f"no {requested} device is visible here{where}, so the run would be on the "
+                f"{kind}, which is one device; drop device_id (and use accelerator={kind})")
     if requested == "auto":
-        return f"the one device visible here is the {kind}; drop device_id"
-    return (f"accelerator={kind} is one device; drop device_id (it picks among GPUs and other "
-            f"accelerators: accelerator=cuda device_id=N)")
+        return f"{kind} has one device, and no GPU or other accelerator is visible; drop device_id"
+    return (f"{kind} has one device: device_id picks among GPUs and other accelerators "
+            f"(accelerator=cuda device_id=N); drop it for accelerator={kind}")
 
 
 def reproducible_matmuls() -> None:
