@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from app import checkpoint
+from app import checkpoint, watchdog
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class CheckpointWriter:
         asked; returns the seconds the caller was blocked. The tensors of the state that are
         `changed_only_by_step` are copied in the background, before the next optimizer step."""
         start = time.perf_counter()
+        watchdog.tick()  # progress, for the stall watchdog (as is the end of each write)
         self.saves += 1
         self.wait()  # the previous write: one copy of the state at a time, files in order
         if not self.background:
@@ -95,6 +96,7 @@ class CheckpointWriter:
             self._copied.set()
         try:
             checkpoint.save(state, path)
+            watchdog.tick()
             then()
             log.debug("%s written %.2f s after the save began", path.name,
                       time.perf_counter() - start)

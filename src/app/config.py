@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -65,6 +66,7 @@ class TrainerConfig:
 class DistributedConfig:
     backend: str = "auto"
     timeout_s: float = 1800.0
+    stall_timeout_s: float | None = 600.0
     start_method: str = "forkserver"
     set_device_rank: bool = True
     kill_grace_s: float = 5.0
@@ -168,6 +170,32 @@ def _positive(name: str, value: int | float | None, allow_none: bool = True) -> 
         raise UserError(f"{name}={value}: must be a positive number")
 
 
+def _seconds(name: str, value: float | None, allow_none: bool = False) -> None:
+    """A duration: positive and finite (timedelta cannot hold inf, and nan never elapses)."""
+    _positive(name, value, allow_none)
+    if value is not None and not math.isfinite(value):
+        off = " or null to turn it off" if allow_none else ""
+        raise UserError(f"{name}={value}: must be a finite number of seconds{off}")
+
+
+def _check_distributed(cfg: AppConfig) -> None:
+    """The distributed settings, checked before any worker starts."""
+    if cfg.dist_url != "auto":
+        match = re.fullmatch(r"tcp://([^:/\s]+):(\d{1,5})", cfg.dist_url)
+        if not match:
+            raise UserError(f"dist_url={cfg.dist_url}: expected auto or tcp://HOST:PORT")
+        if not 1 <= int(match[2]) <= 65535:
+            raise UserError(f"dist_url={cfg.dist_url}: port {int(match[2])} is out of range; "
+                            f"give a port from 1 to 65535, e.g. tcp://{match[1]}:29500")
+    d = cfg.distributed
+    _seconds("distributed.timeout_s", d.timeout_s)
+    _seconds("distributed.stall_timeout_s", d.stall_timeout_s, allow_none=True)
+    _seconds("distributed.kill_grace_s", d.kill_grace_s)
+    if d.start_method not in ("spawn", "forkserver", "fork"):
+        raise UserError(
+            f"distributed.start_method={d.start_method}: expected spawn, forkserver or fork")
+
+
 def validate(cfg: AppConfig) -> None:
     """Checks across keys and values that types alone cannot catch; raises UserError."""
     t = cfg.trainer
@@ -193,14 +221,7 @@ def validate(cfg: AppConfig) -> None:
     _positive("nodes", cfg.nodes, allow_none=False)
     if not 0 <= cfg.machine_rank < cfg.nodes:
         raise UserError(f"machine_rank={cfg.machine_rank}: must lie in [0, nodes={cfg.nodes})")
-    if cfg.dist_url != "auto" and not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", cfg.dist_url):
-        raise UserError(f"dist_url={cfg.dist_url}: expected auto or tcp://HOST:PORT")
-    d = cfg.distributed
-    _positive("distributed.timeout_s", d.timeout_s, allow_none=False)
-    _positive("distributed.kill_grace_s", d.kill_grace_s, allow_none=False)
-    if d.start_method not in ("spawn", "forkserver", "fork"):
-        raise UserError(
-            f"distributed.start_method={d.start_method}: expected spawn, forkserver or fork")
+    _check_distributed(cfg)
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: expected one of {', '.join(PRECISIONS)}")
     _positive("trainer.accumulate_grad_batches", t.accumulate_grad_batches, allow_none=False)

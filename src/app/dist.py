@@ -5,6 +5,8 @@ The loop calls these unconditionally, so it never branches on "am I distributed"
 
 from __future__ import annotations
 
+import functools
+import inspect
 import ipaddress
 import logging
 import os
@@ -26,6 +28,38 @@ log = logging.getLogger(__name__)
 _local_rank = 0
 _local_group: Any = None
 _control_group: Any = None
+
+
+@functools.cache
+def _ddp_takes(keyword: str) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return keyword in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def ddp_buffer_sync(sync: bool) -> dict[str, bool]:
+    """DDP's keyword for copying rank 0's buffers before each forward. torch 2.13 renamed
+    `broadcast_buffers` to `forward_sync_buffers` and warns (FutureWarning) whenever the old
+    one is passed, even with its default. The new one always syncs buffers once at
+    construction as well; the old one with False did not, which changes nothing here: every
+    rank builds the model from the same seed, so the buffers are equal then anyway."""
+    keyword = "forward_sync_buffers" if _ddp_takes("forward_sync_buffers") else "broadcast_buffers"
+    return {keyword: sync}
+
+
+def check_host(url: str) -> None:
+    """Fail at once, in one line, when the host of `url` has no address: the store's client
+    would otherwise retry the name for distributed.timeout_s (30 minutes by default)."""
+    parsed = urlparse(url)
+    if parsed.scheme != "tcp" or not parsed.hostname:
+        return
+    try:
+        socket.getaddrinfo(parsed.hostname, parsed.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        reason = e.strerror if isinstance(e, socket.gaierror) else str(e)
+        raise UserError(f"dist_url={url}: the host {parsed.hostname} cannot be resolved "
+                        f"({reason}); give the name or IP address of machine 0 "
+                        f"(machine_rank=0) as every machine can reach it") from None
 
 
 def _rendezvous(url: str, rank: int, world_size: int, timeout: timedelta) -> dict[str, Any]:
@@ -63,6 +97,7 @@ def _rendezvous(url: str, rank: int, world_size: int, timeout: timedelta) -> dic
 def init(backend: str, url: str, rank: int, world_size: int, local_rank: int,
          local_world_size: int, timeout_s: float) -> None:
     global _local_rank, _local_group, _control_group
+    check_host(url)
     timeout = timedelta(seconds=timeout_s)
     tdist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                              **_rendezvous(url, rank, world_size, timeout))

@@ -8,16 +8,24 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from app.cluster_env import check_horovod, detect
 from app.config import AppConfig, Mode, UserError
+from app.dist import check_host
+from app.results import write_result
 from app.runtime import device_count, resolve_accelerator, select_device, select_device_id
 from app.spawn import spawn
 from app.worker import Rank, run_rank, worker
 from app.worker_logging import setup_rank_logging
 
 log = logging.getLogger(__name__)
+
+# CPU ranks beyond the cores only share them (a debugging run of devices=2 on one core is
+# fine); a few per core are allowed, a mistyped devices=1000 that would fork 1000 is not.
+CPU_PROCESSES_PER_CORE = 4
 
 
 def resolve_devices(devices: int | str, kind: str) -> int:
@@ -28,10 +36,29 @@ def resolve_devices(devices: int | str, kind: str) -> int:
     if kind != "cpu" and devices > device_count(kind):
         raise UserError(f"devices={devices}: only {device_count(kind)} {kind} device(s) are "
                         f"visible here; use devices={device_count(kind)} or devices=auto")
-    if kind == "cpu" and devices > (os.cpu_count() or 1):
+    cores = os.cpu_count() or 1
+    if kind == "cpu" and devices > CPU_PROCESSES_PER_CORE * cores:
+        raise UserError(f"devices={devices}: this machine has {cores} CPU core(s), and more "
+                        f"than {CPU_PROCESSES_PER_CORE * cores} CPU processes would only compete "
+                        f"for them (each one loads torch); use devices={cores} or fewer")
+    if kind == "cpu" and devices > cores:
         log.warning("devices=%d CPU processes on %d cores: they will compete for the cores",
-                    devices, os.cpu_count())
+                    devices, cores)
     return devices
+
+
+def _stall_reporter(run_dir: Path, rank: int) -> Callable[[str], None]:
+    """How a rank of a torchrun/SLURM job reports the stall that ends it (app.watchdog): the
+    line in its log (rank 0's on the console too), and rank 0 records the failure, as
+    __main__ does for an error (the process exits without returning there)."""
+    started = time.monotonic()
+
+    def report(message: str) -> None:
+        log.error("%s", message)
+        if rank == 0:
+            write_result(run_dir, "failed", time.monotonic() - started, f"Stalled: {message}")
+
+    return report
 
 
 def _free_local_url() -> str:
@@ -52,7 +79,8 @@ def launch(cfg: AppConfig, run_dir: Path) -> float | None:
         log.info("rank %d of %d from %s (rendezvous %s)", env.rank, env.world_size,
                  env.source, env.dist_url)
         return run_rank(cfg, run_dir, kind, Rank(env.rank, env.world_size, env.local_rank,
-                                                 env.local_world_size, env.dist_url))
+                                                 env.local_world_size, env.dist_url),
+                        _stall_reporter(run_dir, env.rank))
     devices = resolve_devices(cfg.devices, kind)
     if cfg.trainer.mode in (Mode.predict, Mode.export) and devices * cfg.nodes > 1:
         log.info("trainer=%s runs in one process", cfg.trainer.mode.value)
@@ -66,6 +94,7 @@ def launch(cfg: AppConfig, run_dir: Path) -> float | None:
                 f"dist_url=auto works on one machine only; with nodes={cfg.nodes} give the "
                 f"address of machine 0, the same on every machine: dist_url=tcp://HOST:PORT")
         url = _free_local_url() if cfg.dist_url == "auto" else cfg.dist_url
+        check_host(url)  # before any worker starts
         return spawn(cfg, run_dir, kind, devices, url)
     if cfg.device_id is not None:
         return worker(cfg, run_dir, select_device_id(kind, cfg.device_id, cfg.accelerator))

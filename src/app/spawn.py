@@ -6,14 +6,18 @@ imports torch itself, so that both imports run at the same time.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
+import re
+import select
+import shutil
 import signal
-import tempfile
+import socket
 import time
 from pathlib import Path
 
@@ -51,6 +55,7 @@ class _ParentSignals:
 
     def __init__(self) -> None:
         self.received: list[int] = []
+        self.completed = False  # the workers completed the run (see _after_completion)
 
     def __enter__(self) -> _ParentSignals:
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT,
@@ -63,10 +68,116 @@ class _ParentSignals:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self.completed:
+            self._after_completion()
+
+    def _after_completion(self) -> None:
+        """The workers have completed the run: a signal from now on (while this process ends)
+        stops nothing, and must not turn a completed run (result.json says so) into one ended
+        by the signal. The first is noted at exit; a second ends the process as it would have.
+        In a sweep, the signal ends the sweep as before: the next job has not begun."""
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            return
+
+        def late(signum: int, frame: object) -> None:
+            signal.signal(signum, signal.SIG_DFL)
+            if not self.received:
+                atexit.register(log.info, "%s arrived after the run had completed: nothing "
+                                "was stopped", signal.Signals(signum).name)
+            self.received.append(signum)
+
+        for sig in self._previous:
+            signal.signal(sig, late)
+
+
+class _Pid:
+    """A worker's pid, which stays valid after its parent (the forkserver) is gone: a pidfd
+    where the system has them, which also tells when the worker ends."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self.fd: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfds here, or it has ended already
+            self.fd = None
+
+    def alive(self) -> bool:
+        if self.fd is not None:
+            return not select.select([self.fd], [], [], 0)[0]
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def send(self, sig: int) -> None:
+        try:
+            if self.fd is not None:
+                signal.pidfd_send_signal(self.fd, sig)
+            else:
+                os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+def _forkserver_pid() -> int | None:
+    """multiprocessing's worker server, whose pid it does not make public: this private
+    attribute is read here only."""
+    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+
+
+def _forkserver_death() -> str | None:
+    """How the worker server ended (it is this process's child), or None while it runs. It is
+    not reaped here: multiprocessing restarts it (a sweep's next job) once it has reaped it."""
+    pid = _forkserver_pid()
+    if pid is None:
+        return None
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return f"(pid {pid}) is gone"
+    if info is None:
+        return None
+    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return f"(pid {pid}) was killed by {signal.Signals(info.si_status).name}"
+    return f"(pid {pid}) exited with code {info.si_status}"
+
+
+def _report_dir(run_dir: Path) -> Path:
+    """Where the workers leave their results: in the run directory, so that nothing outlives
+    a launcher killed by SIGKILL anywhere else; one that such a launcher of this machine left
+    (its pid is dead) goes at the next start in this directory."""
+    host = socket.gethostname()
+    for old in run_dir.glob(f".workers-{host}-*"):
+        pid = old.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _Pid(int(pid)).alive():
+            shutil.rmtree(old, ignore_errors=True)
+    path = run_dir / f".workers-{host}-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def _last_checkpoint(run_dir: Path) -> str:
+    periodic = sorted((run_dir / "checkpoints").glob("step-*.pt"))
+    if not periodic:
+        return "there is no checkpoint yet"
+    return f"the last checkpoint is {periodic[-1].relative_to(run_dir)}"
 
 
 def _failure_message(procs: list, killed: set[int], reports: list[dict], grace: float,
                      timeout_s: float, run_dir: Path, base_rank: int) -> str:
+    # A rank named by the stall watchdog is the cause: the others ended because of it.
+    stalled = [r for r in reports if r.get("stall")]
+    if stalled:
+        return stalled[0]["error"]
     # A worker that died of a signal we did not send is the cause; otherwise the earliest
     # error, since a rank that fails makes its peers fail in their next collective.
     for local, proc in enumerate(procs):
@@ -89,6 +200,31 @@ def _failure_message(procs: list, killed: set[int], reports: list[dict], grace: 
     return message
 
 
+def _stop_message(sig: int, cfg: AppConfig, killed: set[int], reports: list[dict],
+                  devices: int, run_dir: Path, base_rank: int) -> str:
+    """What a stop by `sig` left behind, as the workers report it (a checkpoint is saved only
+    when every rank reached the step they agreed to stop at)."""
+    name = signal.Signals(sig).name
+    stopped = [r for r in reports if r.get("exit_code", 0) > 128]
+    if len(stopped) == devices and not killed:  # every rank saved and stopped
+        step = re.search(r"at step (\d+)", min(stopped, key=lambda r: r["rank"])["error"])
+        return (f"stopped by {name}; the workers saved a checkpoint"
+                f"{f' at step {step[1]}' if step else ''}: run again with "
+                f"hydra.run.dir={run_dir} to resume")
+    if cfg.trainer.mode != Mode.trainval:
+        return f"stopped by {name}"
+    if [r for r in reports if r.get("stall")]:
+        why = [r for r in reports if r.get("stall")][0]["error"]
+    elif killed:
+        stuck = ", ".join(str(base_rank + i) for i in sorted(killed))
+        why = (f"rank(s) {stuck} did not stop within distributed.timeout_s="
+               f"{cfg.distributed.timeout_s:g} and were killed")
+    else:
+        why = "not every rank reached the step they agreed to stop at"
+    return (f"stopped by {name}, but no checkpoint was saved at the stop ({why}); "
+            f"{_last_checkpoint(run_dir)}: run again with hydra.run.dir={run_dir} to resume")
+
+
 def spawn(cfg: AppConfig, run_dir: Path, kind: str, devices: int, url: str) -> float | None:
     """Start `devices` workers, watch them, and end them all if one fails or a signal comes."""
     from app.worker import spawned_worker  # (torch: after the worker server has started)
@@ -105,49 +241,92 @@ def spawn(cfg: AppConfig, run_dir: Path, kind: str, devices: int, url: str) -> f
     # that this process died, and the server lives as long as they do: each worker instead
     # watches the read end of this pipe, which reaches end-of-file when we exit in any way.
     launcher_alive, keep_open = ctx.Pipe(duplex=False)
-    with tempfile.TemporaryDirectory(prefix="app-workers-") as report_dir, keep_open:
-        procs = [ctx.Process(target=spawned_worker, name=f"app-rank{base_rank + i}",
-                             args=(i, cfg, run_dir, kind, devices, url, report_dir,
-                                   launcher_alive))
-                 for i in range(devices)]
-        killed: set[int] = set()
-        with _ParentSignals() as signals:
+    report = _report_dir(run_dir)
+    pids: list[_Pid] = []
+    try:
+        with keep_open, _ParentSignals() as signals:
+            procs = [ctx.Process(target=spawned_worker, name=f"app-rank{base_rank + i}",
+                                 args=(i, cfg, run_dir, kind, devices, url, str(report),
+                                       launcher_alive))
+                     for i in range(devices)]
             for proc in procs:
                 proc.start()
+                pids.append(_Pid(proc.pid))
             launcher_alive.close()
-            failed_at = asked_at = None
-            while any(p.is_alive() for p in procs):
-                multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()],
-                                                timeout=0.2)
-                now = time.monotonic()
-                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                    failed_at = now
-                if signals.received and asked_at is None:
-                    asked_at = now
-                    for p in procs:
-                        if p.is_alive():
-                            os.kill(p.pid, signal.SIGTERM)  # workers checkpoint, then stop
-                overdue = (failed_at is not None and now - failed_at > grace) or (
-                    asked_at is not None and (len(signals.received) > 1 or
-                                              now - asked_at > cfg.distributed.timeout_s))
-                if overdue:
-                    for i, p in enumerate(procs):
-                        if p.is_alive():
-                            killed.add(i)
-                            p.kill()
-            for p in procs:
-                p.join()
-        report = Path(report_dir)
-        if all(p.exitcode == 0 for p in procs):
-            return json.loads((report / "result.json").read_text())["result"]
+            killed, server_died = _watch(cfg, procs, pids, signals)
+            reports = [json.loads(p.read_text()) for p in report.glob("rank*.json")]
+            # Rank 0 records the result after the last collective: the run has completed,
+            # even if a signal reached a worker as it was exiting.
+            result = report / "result.json"
+            if server_died is None and result.is_file() and not reports:
+                signals.completed = True
+                return json.loads(result.read_text())["result"]
+        if server_died is not None:
+            raise WorkerFailed(
+                f"the worker server (forkserver) {server_died}: the workers were stopped; "
+                f"{_last_checkpoint(run_dir)}: run again with hydra.run.dir={run_dir} to resume")
         if signals.received:
             sig = signals.received[0]
-            error = AppError(f"stopped by {signal.Signals(sig).name}; the workers saved a "
-                             f"checkpoint: run again with hydra.run.dir={run_dir} to resume")
+            error = AppError(_stop_message(sig, cfg, killed, reports, devices, run_dir,
+                                           base_rank))
             error.exit_code = 128 + sig
             raise error
-        reports = [json.loads(p.read_text()) for p in report.glob("rank*.json")]
         raise WorkerFailed(_failure_message(procs, killed, reports, grace,
                                             cfg.distributed.timeout_s, run_dir, base_rank))
+    finally:
+        for pid in pids:
+            pid.close()
+        shutil.rmtree(report, ignore_errors=True)
 
 
+def _watch(cfg: AppConfig, procs: list, pids: list[_Pid], signals: _ParentSignals
+           ) -> tuple[set[int], str | None]:
+    """Wait until every worker has ended; stop them all when one fails, when a signal comes or
+    when the worker server dies. Returns the workers killed, and how the server died (if it did:
+    the workers' exit codes are then unknown)."""
+    grace, forkserver = cfg.distributed.kill_grace_s, cfg.distributed.start_method == "forkserver"
+    killed: set[int] = set()
+    failed_at = asked_at = server_died = None
+
+    def running() -> list[int]:
+        if server_died is None:
+            return [i for i, p in enumerate(procs) if p.is_alive()]
+        return [i for i, pid in enumerate(pids) if pid.alive()]
+
+    while alive := running():
+        # Once the server is gone, its sentinels say nothing: the workers' pidfds tell their end.
+        ready = [procs[i].sentinel for i in alive] if server_died is None else [
+            pids[i].fd for i in alive if pids[i].fd is not None]
+        if ready:
+            multiprocessing.connection.wait(ready, timeout=0.2)
+        else:
+            time.sleep(0.2)
+        now = time.monotonic()
+        # A worker's end reads as exit code 255 when the server is gone: check which it is.
+        if forkserver and server_died is None and any(p.exitcode == 255 for p in procs):
+            server_died = _forkserver_death()
+            if server_died is not None:
+                log.warning("the worker server (forkserver) %s: stopping the workers",
+                            server_died)
+                asked_at = now
+                for pid in pids:
+                    pid.send(signal.SIGTERM)  # the workers checkpoint, then stop
+                continue
+        if failed_at is None and server_died is None and any(
+                p.exitcode not in (None, 0) for p in procs):
+            failed_at = now
+        if signals.received and asked_at is None:
+            asked_at = now
+            for i in running():
+                pids[i].send(signal.SIGTERM)  # workers checkpoint, then stop
+        overdue = (failed_at is not None and now - failed_at > grace) or (
+            asked_at is not None and (len(signals.received) > 1 or
+                                      now - asked_at > cfg.distributed.timeout_s))
+        if overdue:
+            for i in running():
+                killed.add(i)
+                pids[i].send(signal.SIGKILL)
+    if server_died is None:
+        for p in procs:
+            p.join()
+    return killed, server_died

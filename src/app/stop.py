@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from app import dist
+from app import dist, watchdog
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
@@ -73,7 +73,8 @@ class StopRequest:
         agreed = False
         if self._pending is not None:
             work, flag = self._pending
-            work.wait()
+            with watchdog.waiting():
+                work.wait()
             agreed = flag.item() > 0
             if agreed and self.signal is None:
                 self.signal = int(flag.item())  # another rank's signal

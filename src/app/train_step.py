@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app import dist
+from app import dist, watchdog
 from app.ema import ModelEMA
 from app.errors import AppError, UserError
 
@@ -63,6 +63,7 @@ class TrainStep:
     def __call__(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
                  ) -> torch.Tensor:
         """Train on `micro_batches` as one batch; returns their mean loss (detached)."""
+        watchdog.tick()  # progress, for the stall watchdog
         n = len(micro_batches)
         losses = []
         for i, (x, y) in enumerate(micro_batches):

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from app import dist
+from app import dist, watchdog
 from app.config import AppConfig, AppError, Mode
 from app.data_errors import loader_worker_died
 from app.runtime import apply_runtime_flags, backend_for, select_device, share_cpu_threads
@@ -60,8 +61,10 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         raise died from e
 
 
-def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank) -> float | None:
-    """Join the process group as `me`, run the mode, leave the group."""
+def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank,
+             on_stall: Callable[[str], None]) -> float | None:
+    """Join the process group as `me`, run the mode, leave the group. `on_stall` reports the
+    line that ends a stalled job (app.watchdog), before the process exits."""
     # The device is made current before the first collective (NCCL binds to it).
     if kind == "cpu":  # the ranks on this machine share its cores
         share_cpu_threads(me.local_world_size)
@@ -69,9 +72,13 @@ def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank) -> float | None
     os.environ.update(cfg.distributed.nccl_env)  # opt-in NCCL_* settings, before NCCL starts
     dist.init(backend_for(kind, cfg.distributed.backend), me.url, me.rank, me.world_size,
               me.local_rank, me.local_world_size, cfg.distributed.timeout_s)
+    guard = watchdog.start(cfg.distributed.stall_timeout_s, run_dir, me.rank, me.world_size,
+                           on_stall)
     try:
         return worker(cfg, run_dir, device)
     finally:
+        if guard is not None:
+            guard.stop()
         dist.destroy()
 
 
@@ -94,6 +101,14 @@ def _die_with_launcher(launcher_alive: Connection) -> None:
     threading.Thread(target=watch, name="app-launcher-watch", daemon=True).start()
 
 
+def _write_report(report: Path, name: str, **record: object) -> None:
+    """How this worker ended, for the launcher (which reads it once every worker has ended)."""
+    try:
+        (report / name).write_text(json.dumps(record))
+    except OSError:  # the launcher is gone, and with it the folder: nobody to tell
+        pass
+
+
 def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, kind: str, devices: int,
                    url: str, report_dir: str, launcher_alive: Connection) -> None:
     """The target of each local worker process."""
@@ -106,20 +121,27 @@ def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, kind: str, de
     setup_rank_logging(run_dir, me.rank, keep_handlers=False)
     log.info("rank %d of %d: pid %d", me.rank, me.world_size, os.getpid())
     report = Path(report_dir)
+    failures = logging.getLogger(FAILURE_LOGGER)
+
+    def stalled(message: str) -> None:  # the launcher prints the line
+        failures.error("%s", message)
+        # (a file of its own: the main thread may fail as the others end, and report that)
+        _write_report(report, f"rank{me.rank}-stall.json", rank=me.rank, time=time.time(),
+                      error=message, stall=True, exit_code=watchdog.EXIT_CODE)
+
     try:
-        result = run_rank(cfg, run_dir, kind, me)
+        result = run_rank(cfg, run_dir, kind, me, stalled)
     except BaseException as e:
-        failures = logging.getLogger(FAILURE_LOGGER)
         if isinstance(e, AppError):
             failures.error("%s", e)
         else:
             failures.exception("rank %d failed", me.rank)
         first_line = (str(e).strip().splitlines() or [""])[0]
-        (report / f"rank{me.rank}.json").write_text(json.dumps(
-            {"rank": me.rank, "time": time.time(), "error": f"{type(e).__name__}: {first_line}"
-             if first_line else type(e).__name__}))
-        sys.exit(e.exit_code if isinstance(e, AppError) else 1)
+        code = e.exit_code if isinstance(e, AppError) else 1
+        _write_report(report, f"rank{me.rank}.json", rank=me.rank, time=time.time(),
+                      exit_code=code,
+                      error=f"{type(e).__name__}: {first_line}" if first_line
+                      else type(e).__name__)
+        sys.exit(code)
     if local_rank == 0:
         (report / "result.json").write_text(json.dumps({"result": result}))
-
-

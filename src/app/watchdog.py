@@ -1,0 +1,385 @@
+"""The progress watchdog: a rank that stops making progress while the others wait for it ends
+the job, named, with every rank's Python stack on disk, instead of holding the job for
+distributed.timeout_s.
+
+The loop ticks a counter (`tick()`: each train step, each validation batch, each phase of a
+checkpoint write), which costs an integer increment. A thread per rank publishes, about once a
+second, the counter with the rank's host, pid and last step to the process group's store and
+reads the other ranks' records there (a second thread judges them, so that a store that stops
+answering is noticed too). When no rank's counter has moved for distributed.stall_timeout_s,
+the job has stalled, and the culprits are the ranks that do not wait in a collective: a rank
+whose records stopped coming (stopped by SIGSTOP or a debugger, or stuck without the GIL), or
+whose main thread is outside torch.distributed and the autograd engine (a dead loop, a sleep, a
+deadlock of its own). The first rank to see it writes the verdict to the store; every rank then
+writes its stacks to `logs/rank{N}.stacks` and ends. A stopped rank cannot write: a rank on its
+host sends it the stack-dump signal and then SIGCONT, so that the dump runs (and the woken rank
+ends like the others).
+
+It needs nothing but the process group's store, so it works alike for the workers spawned here,
+under torchrun and as Slurm tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TextIO
+
+log = logging.getLogger(__name__)
+
+# The stack-dump signal: not SIGUSR1/SIGUSR2 (Slurm and submitit use them to ask for a requeue),
+# not SIGWINCH (every terminal resize), but a real-time signal, which no job system sends.
+DUMP_SIGNAL: int | None = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None
+KEY = "app/watchdog/"
+VERDICT = KEY + "verdict"
+STORE_TIMEOUT_S = 30.0  # a store call that takes longer fails (the judge looks at the clock)
+EXIT_CODE = 1
+
+_ticks = 0
+_waits = 0
+_run: Any = None
+
+
+def tick() -> None:
+    """Progress: called by the loop at each step, validation batch and checkpoint phase."""
+    global _ticks
+    _ticks += 1
+
+
+def follow(run: Any) -> None:
+    """Report `run.step` (which the training loop keeps current) as this rank's last step."""
+    global _run
+    _run = run
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Marks a wait for the other ranks that has no torch.distributed frame of its own (the
+    `wait()` of an asynchronous collective's handle)."""
+    global _waits
+    _waits += 1
+    try:
+        yield
+    finally:
+        _waits -= 1
+
+
+# Where a main thread waits for the other ranks: inside torch.distributed (collectives,
+# barriers, object gathers), DDP's own module (buffer broadcasts), and the autograd engine
+# (DDP all-reduces the gradients during backward, and waits for them at its end).
+_WAIT_PATHS = tuple(os.path.join("torch", *parts) for parts in (
+    ("distributed", ""), ("nn", "parallel", "distributed.py")))
+_WAIT_FUNCTIONS = {"_engine_run_backward", "run_backward"}
+
+
+def _waits_for_others(frame: Any) -> bool:
+    """Whether a thread whose innermost Python frame is `frame` waits for the other ranks."""
+    if _waits:
+        return True
+    if frame is None:
+        return False
+    code = frame.f_code
+    return code.co_name in _WAIT_FUNCTIONS or any(p in code.co_filename for p in _WAIT_PATHS)
+
+
+@dataclass
+class Peer:
+    """What this rank knows of one rank (itself included); times are this rank's clock."""
+
+    rank: int
+    moved_at: float  # when its counter last changed
+    heard_at: float  # when its record last changed
+    ticks: int = -1
+    beat: int = -1
+    step: int | None = None
+    host: str = "?"
+    pid: int | None = None
+    waiting: bool = False
+    done: bool = False
+
+    def silent(self, now: float, stall_s: float) -> bool:
+        return now - self.heard_at >= stall_s
+
+    def update(self, record: dict[str, Any], now: float) -> None:
+        if record["ticks"] != self.ticks:
+            self.moved_at = now
+        if record["beat"] != self.beat:
+            self.heard_at = now
+        for name in ("ticks", "beat", "step", "host", "pid", "waiting", "done"):
+            setattr(self, name, record[name])
+
+
+def judge(peers: list[Peer], now: float, stall_s: float) -> list[Peer] | None:
+    """The stalled ranks, once the job has stalled; None while it has not.
+
+    The job has stalled when no running rank's counter has moved for `stall_s` (a rank that
+    stalls soon holds up the others, so their counters stop too). The culprits are then the
+    ranks that do not wait for the others: those silent for `stall_s` (not running) and those
+    whose main thread is elsewhere. An empty list: every rank waits in a collective (ranks that
+    called different collectives, or a rank lost between two of them).
+    """
+    running = [p for p in peers if not p.done]
+    if not running or any(now - p.moved_at < stall_s for p in running):
+        return None
+    return [p for p in running if p.silent(now, stall_s) or not p.waiting]
+
+
+def describe(peers: list[Peer], culprits: list[Peer], now: float, stall_s: float,
+             run_dir: Path, waited: str = "while the other ranks waited") -> str:
+    """The one line that ends a stalled job. A rank's step is the last one it published (up to
+    a second old); the step the others wait at says where it stopped."""
+    stacks = f"every rank's Python stack is in {run_dir / 'logs'}/rank{{N}}.stacks"
+    if not culprits:
+        return (f"every rank has waited in a collective for {stall_s:g} s with no progress "
+                f"(ranks that called different collectives?): the job was ended "
+                f"(distributed.stall_timeout_s={stall_s:g}); {stacks}")
+    parts = []
+    for p in culprits:
+        where = "before its first step" if p.step is None else f"last step {p.step}"
+        state = ", not running: stopped?" if p.silent(now, stall_s) else ""
+        parts.append(f"rank {p.rank} on host {p.host} (pid {p.pid}, {where}{state})")
+    steps = sorted({p.step for p in peers if p not in culprits and p.step is not None})
+    if steps:
+        waited += f" at step {steps[0]}" if len(steps) == 1 else f" at steps {steps[0]}-{steps[-1]}"
+    verb = "has" if len(parts) == 1 else "have"
+    return (f"{' and '.join(parts)} {verb} made no progress for {stall_s:g} s {waited}: the "
+            f"job was ended (distributed.stall_timeout_s={stall_s:g}); {stacks}")
+
+
+def _process_group_store() -> Any:
+    """The default process group's store. PyTorch has no public accessor for it: this is the
+    one place that reaches into its internals (`_get_default_store`)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def _store_client() -> Any:
+    """A connection of this thread's own to the process group's store (None: none to have)."""
+    try:
+        store = _process_group_store()
+    except (AttributeError, ImportError, RuntimeError, ValueError):
+        return None
+    if hasattr(store, "clone"):  # a connection of its own, safe beside the process group's
+        client = store.clone()
+    else:  # older torch: a new client of the same TCP store
+        import torch.distributed as tdist
+
+        while isinstance(store, tdist.PrefixStore):
+            store = store.underlying_store
+        if not isinstance(store, tdist.TCPStore):
+            return None
+        client = tdist.TCPStore(store.host, store.port, is_master=False,
+                                wait_for_workers=False)
+    client.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+    return client
+
+
+class Watchdog:
+    def __init__(self, rank: int, world_size: int, stall_s: float, run_dir: Path,
+                 on_stall: Callable[[str], None]) -> None:
+        self.rank, self.world_size, self.stall_s = rank, world_size, stall_s
+        self.run_dir, self.on_stall = run_dir, on_stall
+        self.interval = min(1.0, stall_s / 5)
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        # The store is served by rank 0's process, except under torchrun (its agent serves it).
+        self.store_rank = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+        now = time.monotonic()
+        self.peers = [Peer(r, now, now) for r in range(world_size)]
+        self.proposal: str | None = None
+        self.verdict: dict[str, Any] | None = None
+        self.io_ok_at = now  # the last round of store calls that succeeded
+        self.stop_event = threading.Event()
+        self.main_ident = threading.main_thread().ident
+        self.stacks_path = run_dir / "logs" / f"rank{rank}.stacks"
+        self.stacks: TextIO | None = None
+        self.threads = [threading.Thread(target=self._io, name="app-watchdog-store", daemon=True),
+                        threading.Thread(target=self._judge, name="app-watchdog", daemon=True)]
+
+    # -- start and stop
+
+    def start(self) -> Watchdog:
+        self.stacks_path.parent.mkdir(parents=True, exist_ok=True)
+        self.stacks = open(self.stacks_path, "a")  # noqa: SIM115 (open while the rank runs)
+        if DUMP_SIGNAL is not None:
+            faulthandler.register(DUMP_SIGNAL, file=self.stacks, all_threads=True)
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        """A clean end: say so to the others (so that a rank that ended is not taken for a
+        stalled one), and remove the stacks file unless stacks were written."""
+        self.stop_event.set()
+        self.threads[0].join(timeout=2 * self.interval + 1)
+        if DUMP_SIGNAL is not None:
+            faulthandler.unregister(DUMP_SIGNAL)
+        if self.stacks is not None:
+            self.stacks.close()
+            if self.stacks_path.stat().st_size == 0:
+                self.stacks_path.unlink(missing_ok=True)
+
+    # -- the store thread: publish this rank's record, read the others'
+
+    def _record(self, beat: int) -> str:
+        frame = sys._current_frames().get(self.main_ident)
+        return json.dumps({"ticks": _ticks, "beat": beat, "step": getattr(_run, "step", None),
+                           "host": self.host, "pid": self.pid, "done": self.stop_event.is_set(),
+                           "waiting": _waits_for_others(frame)})
+
+    def _io(self) -> None:
+        client = _store_client()
+        if client is None:
+            log.info("no store to watch the ranks' progress with: no stall watchdog")
+            return
+        keys = [f"{KEY}{r}" for r in range(self.world_size)]
+        seen: set[int] = set()
+        beat = 0
+        leave_by = None
+        while True:
+            stopping = self.stop_event.is_set()
+            if stopping and leave_by is None:
+                leave_by = time.monotonic() + 2 * self.interval + 1
+            try:
+                client.set(keys[self.rank], self._record(beat))
+                if self.proposal is not None and self.verdict is None:
+                    client.compare_set(VERDICT, "", self.proposal)
+                if client.check([VERDICT]):
+                    self.verdict = json.loads(client.get(VERDICT))
+                    return  # no more calls: the store may end with its server any moment
+                seen |= {r for r in range(self.world_size)
+                         if r not in seen and client.check([keys[r]])}
+                order = sorted(seen)
+                values = client.multi_get([keys[r] for r in order])
+                now = time.monotonic()
+                for r, value in zip(order, values, strict=True):
+                    self.peers[r].update(json.loads(value), now)
+                self.io_ok_at = now
+            except Exception as e:  # a store gone at the end of the job; judged by the clock
+                log.debug("watchdog store call failed: %s", e)
+            # The rank that serves the store stays until the others have said goodbye (or for a
+            # little while): a store call to a server that is gone prints C++ warnings.
+            if stopping and (self.rank != self.store_rank or time.monotonic() > leave_by
+                             or all(p.done for p in self.peers)):
+                return
+            beat += 1
+            self.stop_event.wait(self.interval)
+
+    # -- the judge thread
+
+    def _judge(self) -> None:
+        last = time.monotonic()
+        while not self.stop_event.wait(self.interval):
+            now = time.monotonic()
+            if now - last > 5 * self.interval + 1:  # this process did not run (stopped)
+                for peer in self.peers:  # what it missed is not the others' silence
+                    peer.moved_at, peer.heard_at = now, now
+                self.io_ok_at = now
+            last = now
+            if self.verdict is not None:
+                self._end(self.verdict)
+            if now - self.io_ok_at >= self.stall_s and self.rank != self.store_rank:
+                self._end(self._store_silent(now))
+            if self.proposal is None:
+                culprits = judge(self.peers, now, self.stall_s)
+                if culprits is not None:
+                    self.proposal = json.dumps({
+                        "message": describe(self.peers, culprits, now, self.stall_s,
+                                            self.run_dir),
+                        "wake": [[p.rank, p.host, p.pid] for p in culprits
+                                 if p.silent(now, self.stall_s)]})
+
+    def _store_silent(self, now: float) -> dict[str, Any]:
+        """The store has not answered for stall_s: its server is stalled (or unreachable)."""
+        if self.store_rank is None:
+            return {"message": f"the torchrun agent's store has not answered for "
+                               f"{self.stall_s:g} s: the job was ended", "wake": []}
+        server = self.peers[self.store_rank]
+        server.heard_at = min(server.heard_at, now - self.stall_s)
+        return {"message": describe(self.peers, [server], now, self.stall_s, self.run_dir,
+                                    "(its store did not answer either) while the others waited"),
+                "wake": [[server.rank, server.host, server.pid]]}
+
+    def _end(self, verdict: dict[str, Any]) -> None:
+        """Write this rank's stacks, wake stopped ranks of this host to write theirs, end."""
+        assert self.stacks is not None
+        if self.stacks_path.stat().st_size == 0:  # (a woken rank has written them already)
+            self.stacks.write(f"rank {self.rank} (pid {self.pid}, host {self.host}): "
+                              f"{verdict['message']}\n\n")
+            self.stacks.flush()
+            faulthandler.dump_traceback(file=self.stacks, all_threads=True)
+        # The lowest rank of this host that is not to be woken itself wakes those of this host.
+        stopped = {rank for rank, _, _ in verdict["wake"]}
+        helpers = [p.rank for p in self.peers if p.host == self.host and p.rank not in stopped]
+        woken = [(rank, pid) for rank, host, pid in verdict["wake"]
+                 if host == self.host and pid is not None and helpers
+                 and self.rank == min(helpers)]
+        for _, pid in woken:
+            _wake_to_dump(pid)
+        deadline = time.monotonic() + 5
+        for rank, _ in woken:  # its stacks are written once it runs
+            path = self.run_dir / "logs" / f"rank{rank}.stacks"
+            while time.monotonic() < deadline and not (path.is_file() and path.stat().st_size):
+                time.sleep(0.05)
+        try:
+            self.on_stall(verdict["message"])
+            if self.rank == self.store_rank:  # the others may still read the verdict: wait
+                self._wait_for_others(deadline=time.monotonic() + 2 * self.interval + 1)
+        finally:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(EXIT_CODE)
+
+    def _wait_for_others(self, deadline: float) -> None:
+        """Until the other ranks of this host have ended (those of other hosts: until then)."""
+        others = [p.pid for p in self.peers if p.rank != self.rank and p.pid is not None
+                  and p.host == self.host]
+        elsewhere = len(others) < self.world_size - 1
+        while time.monotonic() < deadline and (elsewhere or any(_running(p) for p in others)):
+            time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an ended child not yet reaped is a zombie: ended
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _wake_to_dump(pid: int) -> None:
+    """Ask a stopped process of this job for its stacks: the dump signal waits until SIGCONT
+    lets the process run, and faulthandler's handler writes them at once."""
+    if DUMP_SIGNAL is None:
+        return
+    try:
+        os.kill(pid, DUMP_SIGNAL)
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def start(stall_s: float | None, run_dir: Path, rank: int, world_size: int,
+          on_stall: Callable[[str], None]) -> Watchdog | None:
+    """Watch the ranks' progress (with several ranks and a stall timeout); `on_stall` reports
+    the one line that ends the job, then the process exits."""
+    if stall_s is None or world_size < 2:
+        return None
+    return Watchdog(rank, world_size, stall_s, run_dir, on_stall).start()
