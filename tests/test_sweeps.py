@@ -203,3 +203,23 @@ def test_a_job_that_fails_mid_training_has_its_step_and_curves(tmp_path) -> None
     assert (tmp_path / "sweep" / failed["job"] / "plots" / "curves.png").is_file()
     log = (tmp_path / "sweep" / failed["job"] / "train.log").read_text()
     assert log.count("attempt started") == 1
+
+
+def test_summary_picture_names_what_became_of_jobs_without_a_value(tmp_path, monkeypatch
+                                                                  ) -> None:
+    from matplotlib.figure import Figure
+
+    from app.plots import draw_summary
+
+    drawn: list[Figure] = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    jobs = [{"job": str(n), "params": {"optimizer.lr": lr, "model.dropout": d},
+             "best": best, "status": status}
+            for n, (lr, d, best, status) in enumerate([
+                ("0.003", "0", 0.9, "completed"), ("0.003", "0.3", 0.8, "completed"),
+                ("1e6", "0", None, "failed"), ("1e6", "0.3", None, "running or killed")])]
+    draw_summary(tmp_path, jobs, "val/acc")
+    bars, heat = drawn[0].axes[:2]
+    for ax in (bars, heat):  # no bar and an empty cell: the picture says why
+        texts = [t.get_text().strip() for t in ax.texts]
+        assert "failed" in texts and "running or killed" in texts, texts

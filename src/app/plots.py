@@ -44,6 +44,9 @@ def draw_summary(sweep_dir: Path, jobs: list[dict[str, Any]], monitor: str) -> P
     best = [j["best"] if j["best"] is not None else math.nan for j in jobs]
     colors = ["tab:blue" if j["status"] == "completed" else "tab:red" for j in jobs]
     ax.barh(range(len(jobs)), [0 if math.isnan(b) else b for b in best], color=colors)
+    for row, (job, value) in enumerate(zip(jobs, best, strict=True)):
+        if math.isnan(value):  # no bar to colour: say why there is none
+            ax.text(0, row, f" {job['status']}", va="center", color="tab:red", fontsize=8)
     ax.set_yticks(range(len(jobs)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set(title=f"Best {monitor} per job (red: not completed)", xlabel=f"best {monitor}")
@@ -51,9 +54,11 @@ def draw_summary(sweep_dir: Path, jobs: list[dict[str, Any]], monitor: str) -> P
     if grid:
         row_key, col_key, row_values, col_values = grid
         table = [[math.nan] * len(col_values) for _ in row_values]
+        status = [[""] * len(col_values) for _ in row_values]
         for job, value in zip(jobs, best, strict=True):
-            table[row_values.index(job["params"][row_key])][
-                col_values.index(job["params"][col_key])] = value
+            r, c = row_values.index(job["params"][row_key]), col_values.index(
+                job["params"][col_key])
+            table[r][c], status[r][c] = value, job["status"]
         heat = axes[0][1]
         image = heat.imshow(table, cmap="viridis", aspect="auto")
         heat.set_xticks(range(len(col_values)), [str(v) for v in col_values])
@@ -62,9 +67,13 @@ def draw_summary(sweep_dir: Path, jobs: list[dict[str, Any]], monitor: str) -> P
         low, high = image.get_clim()
         for r, row in enumerate(table):
             for c, value in enumerate(row):
-                bright = not math.isnan(value) and value > low + 0.6 * (high - low)
-                heat.text(c, r, "n/a" if math.isnan(value) else f"{value:.4f}", ha="center",
-                          va="center", color="black" if bright else "white", fontsize=9)
+                if math.isnan(value):  # an empty (white) cell: what became of that job
+                    heat.text(c, r, status[r][c] or "n/a", ha="center", va="center",
+                              color="tab:red", fontsize=9)
+                    continue
+                bright = value > low + 0.6 * (high - low)
+                heat.text(c, r, f"{value:.4f}", ha="center", va="center",
+                          color="black" if bright else "white", fontsize=9)
         fig.colorbar(image, ax=heat, label=f"best {monitor}")
     fig.suptitle(str(sweep_dir), fontsize=9)
     fig.tight_layout()
