@@ -24,7 +24,8 @@ TINY_RUN = ["trainer.max_epochs=null", "trainer.max_steps=3",
 VALID = {
     "model": ["cnn", "mlp"], "optimizer": ["adamw", "sgd"],
     "scheduler": ["cosine", "step", "constant"], "optimizer.lr": ["0.01", "3e-4"],
-    "seed": ["0", "7", "123456"], "precision": ["32", "bf16-mixed"], "ema": ["true", "false"],
+    "seed": ["0", "7", "123456", "4294967295"], "data.shift": ["0", "1"],
+    "precision": ["32", "bf16-mixed"], "ema": ["true", "false"],
     "trainer.accumulate_grad_batches": ["1", "2"], "trainer.grad_clip_norm": ["null", "1.0"],
     "data.batch_size": ["16", "64"], "trainer.keep_last": ["0", "1"],
     "trainer.skip_nonfinite": ["true"], "logger": ["csv", "tensorboard"],
@@ -47,7 +48,10 @@ UNKNOWN = [("trainer.epochs=3", "epochs"), ("+trainer.epochs=3", "epochs"), ("+f
            ("model=resnet", "resnet"), ("optimizer=lamb", "lamb"), ("logger=wandb", "wandb"),
            ("+nogroup=x", "nogroup"), ("distributed.bakend=gloo", "bakend"),
            ("+logger.nope=1", "nope"), ("scheduler=onecycle", "onecycle"),
-           ("model.widht=3", "widht"), ("data.batchsize=3", "batchsize")]
+           ("model.widht=3", "widht"), ("data.batchsize=3", "batchsize"),
+           ("trainer.max_epoch={i}", "did you mean trainer.max_epochs?"),
+           ("model.chanels=[{i}]", "did you mean model.channels?"),
+           ("modle.dropout=0.{i}", "did you mean model.dropout?")]
 OUT_OF_RANGE = [("optimizer.lr=-{f}", "optimizer.lr"), ("devices=0", "devices"),
                 ("data.batch_size=-{i}", "batch_size"), ("data.batch_size=0", "batch_size"),
                 ("data.val_fraction=1.{i}", "val_fraction"), ("trainer.keep_last=-{i}",
@@ -60,7 +64,10 @@ OUT_OF_RANGE = [("optimizer.lr=-{f}", "optimizer.lr"), ("devices=0", "devices"),
                 ("trainer.accumulate_grad_batches=0", "accumulate_grad_batches"),
                 ("model.dropout=1.{i}", "dropout"), ("optimizer.momentum=-{f}", "momentum"),
                 ("trainer.log_every_n_steps=-{i}", "log_every_n_steps"),
-                ("data.num_samples={i}", "num_samples")]
+                ("data.num_samples={i}", "num_samples"),
+                ("data.val_fraction=0.0000{i}", "the minimum is"),
+                ("seed=9223372036854775807", "0 to 4294967295"), ("seed=4294967296", "seed"),
+                ("data.split_seed=-{i}", "data.split_seed")]
 ODD = [("model.hidden=[", "["), ("seed=${{oops}}", "oops"), ("trainer.monitor=val/nope{i}",
                                                              "val/nope"),
        ("dist_url=http://x:{i}", "dist_url"), ("accelerator=tpu{i}", "accelerator"),
