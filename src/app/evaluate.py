@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from app import dist, watchdog
 from app.build import build_data, build_trained_model, build_val_loader
 from app.config import AppConfig
+from app.files import write_text_atomically
 from app.loggers import CSVLogger
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def run_eval(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
         CSVLogger(run_dir / "metrics.csv").log(step, loop.get("epoch", 0), "val", metrics)
         record = {"ckpt": str(cfg.ckpt), "step": step, "num_samples": count,
                   "world_size": dist.world_size(), **metrics}
-        (run_dir / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
+        write_text_atomically(run_dir / "eval.json", json.dumps(record, indent=2) + "\n")
     log.info(
         "eval of %s (step %d) on %d validation samples: loss %.4f, acc %.4f",
         cfg.ckpt, step, count, metrics["loss"], metrics["acc"],

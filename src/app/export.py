@@ -11,6 +11,7 @@ import torch
 
 from app.build import build_data, build_trained_model
 from app.config import AppConfig, AppError
+from app.files import write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def run_export(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     eager = model(check)
     diffs = {"torchscript": _max_diff(ts_loaded(check), eager),
              "torch_export": _max_diff(pt2_loaded(check), eager)}
-    (out_dir / "check.json").write_text(json.dumps(
+    write_text_atomically(out_dir / "check.json", json.dumps(
         {"batch_size": len(check), "tolerance": cfg.trainer.export_tolerance,
          "max_abs_diff": diffs}, indent=2) + "\n")
     bad = {k: v for k, v in diffs.items() if not v <= cfg.trainer.export_tolerance}

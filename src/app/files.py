@@ -27,12 +27,15 @@ def write_failed(path: Path, e: OSError) -> WriteFailed:
 def write_text_atomically(path: Path, text: str) -> None:
     """Write `text` aside and rename it into place: readers see the old file or the new one."""
     tmp = path.with_name(f".{path.name}.tmp")
+    began = False
     try:
         with open(tmp, "w", newline="") as f:
+            began = True
             f.write(text)
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        if began:
+            tmp.unlink(missing_ok=True)
         raise write_failed(path, e) from e
 
 

@@ -1,0 +1,141 @@
+"""A full disk at a run file (result.json, metrics.csv): one line, no partial file, the previous
+content intact. In-process with the write made to fail, and on a real full file system (a
+small tmpfs) where this machine lets the test mount one."""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import logging
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+from app import files
+from app.build import build_data, build_model
+from app.files import WriteFailed
+from app.loggers import CSVLogger
+from app.results import write_result
+from conftest import TINY, make_config, run_app
+
+ENOSPC = OSError(errno.ENOSPC, "No space left on device")
+
+
+class _FillsUp:
+    """A file whose writes stop half-way with ENOSPC, as on a disk that fills up."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+
+    def write(self, text: str) -> int:
+        self.f.write(text[: len(text) // 2])
+        self.f.flush()
+        raise ENOSPC
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """Every file that app.files opens for writing fills the disk half-way through a write."""
+    def fake_open(path, mode="r", *args, **kwargs):
+        return _FillsUp(builtins.open(path, mode, *args, **kwargs))
+
+    monkeypatch.setattr(files, "open", fake_open, raising=False)
+
+
+def _one_line(error: WriteFailed, path) -> None:
+    assert str(path) in str(error) and "No space left on device" in str(error)
+    assert "\n" not in str(error)
+
+
+def test_a_full_disk_at_result_json_is_one_line_and_leaves_no_partial_file(
+        tmp_path, full_disk, caplog) -> None:
+    (tmp_path / "result.json").write_text("previous\n")
+    with pytest.raises(WriteFailed) as error:
+        write_result(tmp_path, "completed", 1.0)
+    _one_line(error.value, tmp_path / "result.json")
+    assert (tmp_path / "result.json").read_text() == "previous\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]  # no .tmp
+    # A run that failed already: its own error is reported, this one is a warning.
+    with caplog.at_level(logging.WARNING):
+        write_result(tmp_path, "failed", 1.0, "AppError: the real cause", raise_errors=False)
+    assert "result.json could not be written" in caplog.text
+
+
+def test_a_full_disk_at_a_metrics_row_is_one_line_and_leaves_no_partial_row(
+        tmp_path, monkeypatch) -> None:
+    logger = CSVLogger(tmp_path / "metrics.csv")
+    logger.log(1, 0, "train", {"loss": 2.5})
+    before = (tmp_path / "metrics.csv").read_text()
+    monkeypatch.setattr(files, "open", lambda *a, **k: _FillsUp(builtins.open(*a, **k)),
+                        raising=False)
+    with pytest.raises(WriteFailed) as error:
+        logger.log(2, 0, "train", {"loss": 2.4})  # an appended row
+    _one_line(error.value, tmp_path / "metrics.csv")
+    with pytest.raises(WriteFailed):
+        logger.log(2, 0, "train", {"loss": 2.4, "lr": 0.1})  # a new column: a rewrite
+    assert (tmp_path / "metrics.csv").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs, or a skip saying why it cannot be mounted here (the in-process tests
+    above cover the same logic)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): "
+                    f"the real full disk is not tried")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def _fill(directory) -> None:
+    with open(directory / "filler", "wb", buffering=0) as f:
+        with pytest.raises(OSError) as full:
+            while True:
+                f.write(b"\0" * 4096)
+    assert full.value.errno == errno.ENOSPC
+
+
+def test_a_really_full_disk_at_run_files_is_one_line_and_leaves_no_partial_file(
+        tiny_tmpfs) -> None:
+    metrics = {f"metric_{i:04d}": 1 / 3 for i in range(600)}  # a row longer than a page
+    logger = CSVLogger(tiny_tmpfs / "metrics.csv")
+    logger.log(1, 0, "val", metrics)
+    write_result(tiny_tmpfs, "running", 1.0)
+    before = {p.name: p.read_bytes() for p in tiny_tmpfs.iterdir()}
+    _fill(tiny_tmpfs)
+    with pytest.raises(WriteFailed, match="metrics.csv could not be written"):
+        logger.log(2, 0, "val", metrics)
+    with pytest.raises(WriteFailed, match="result.json could not be written"):
+        write_result(tiny_tmpfs, "completed", 2.0)
+    after = {p.name: p.read_bytes() for p in tiny_tmpfs.iterdir() if p.name != "filler"}
+    assert after == before
+
+
+def test_a_result_json_that_cannot_be_written_ends_the_command_in_one_line(tmp_path) -> None:
+    # The command's path end to end: the "completed" record fails, then the "failed" one.
+    cfg = make_config(*TINY)
+    ckpt = tmp_path / "weights.pt"
+    torch.save({"model": build_model(cfg, build_data(cfg)).state_dict()}, ckpt)
+    run_dir = tmp_path / f"run-{uuid.uuid4().hex[:6]}"
+    (run_dir / "result.json").mkdir(parents=True)  # no file can be put in its place
+    result = run_app(run_dir, *TINY, "trainer=eval", f"ckpt={ckpt}")
+    assert result.returncode == 1, result.output[-3000:]
+    assert "Traceback" not in result.output and "During handling" not in result.output
+    assert "result.json could not be written" in result.output
+    assert not list(run_dir.glob(".*.tmp"))
