@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
+import warnings
 
+import pytest
 import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 from app import dist
+from app.config import UserError, validate
+from conftest import make_config
 
 
 def _free_url() -> str:
@@ -50,3 +55,59 @@ def test_helpers_and_the_per_machine_group(tmp_path) -> None:
     assert all(r["broadcast"] == {"from": 0} for r in records)
     assert all(r["gathered"] == [0, 10, 20, 30] for r in records)
     assert all(r["after_destroy"] == [0, 1, False] for r in records)
+
+
+def test_a_host_that_does_not_resolve_fails_before_any_worker_starts(tmp_path,
+                                                                     monkeypatch) -> None:
+    from app import launch
+
+    monkeypatch.setattr(launch, "spawn", lambda *a: pytest.fail("workers were started"))
+    cfg = make_config("devices=2", "dist_url=tcp://nonexistent.invalid:29511")
+    with pytest.raises(UserError, match=r"^dist_url=tcp://nonexistent.invalid:29511: the host "
+                                        r"nonexistent.invalid cannot be resolved"):
+        launch.launch(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("override,words", [
+    ("distributed.timeout_s=nan", "distributed.timeout_s=nan: must be a finite number"),
+    ("distributed.timeout_s=inf", "distributed.timeout_s=inf: must be a finite number"),
+    ("distributed.stall_timeout_s=inf", "distributed.stall_timeout_s=inf: must be a finite"),
+    ("distributed.stall_timeout_s=0", "distributed.stall_timeout_s=0.0: must be a positive"),
+    ("dist_url=tcp://127.0.0.1:99999", "port 99999 is out of range; give a port from 1 to"),
+    ("dist_url=tcp://127.0.0.1:0", "port 0 is out of range"),
+])
+def test_distributed_values_are_checked_before_spawning(override, words) -> None:
+    with pytest.raises(UserError, match=re.escape(words)):
+        validate(make_config("devices=2", override))
+
+
+def test_the_stall_watchdog_can_be_turned_off() -> None:
+    validate(make_config("distributed.stall_timeout_s=null"))
+
+
+def test_cpu_devices_far_beyond_the_cores_are_refused(monkeypatch) -> None:
+    from app import launch
+
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    with pytest.raises(UserError, match=r"^devices=1000: this machine has 2 CPU core\(s\).*"
+                                        r"use devices=2 or fewer$"):
+        launch.resolve_devices(1000, "cpu")
+    assert launch.resolve_devices(8, "cpu") == 8  # a few per core: a warning only
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 1)
+    assert launch.resolve_devices(2, "cpu") == 2  # a debugging run of 2 on one core
+
+
+def test_ddp_syncs_buffers_as_asked_without_a_deprecation_warning() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    tdist.init_process_group("gloo", init_method=_free_url(), rank=0, world_size=1)
+    try:
+        for sync in (True, False):
+            model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # any warning fails the test
+                ddp = DistributedDataParallel(model, **dist.ddp_buffer_sync(sync))
+            synced = getattr(ddp, "forward_sync_buffers", None)
+            assert (ddp.broadcast_buffers if synced is None else synced) is sync
+    finally:
+        tdist.destroy_process_group()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from conftest import (
     load_state,
     read_metrics,
     run_app,
+    still_alive,
     wait_for_rows,
     worker_pids,
 )
@@ -42,12 +45,9 @@ def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
 ])
 def test_a_failing_rank_ends_the_job(fault, words, tmp_path) -> None:
     run_dir = tmp_path / "run"
-    started = time.monotonic()
     proc = _start(run_dir, *FAULTY, f"+model.fault={fault}")
-    output, _ = proc.communicate(timeout=120)
-    elapsed = time.monotonic() - started
+    output, _ = proc.communicate(timeout=120)  # (without the fault handling: never)
     assert proc.returncode == 1, output[-3000:]
-    assert elapsed < 30 + 10, elapsed  # 30 s after the fault, plus start-up
     assert words in output, output[-3000:]
     assert "Traceback" not in output  # one line on the console ...
     if fault == "raise":  # ... and the traceback in the rank's own log
@@ -67,9 +67,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_is_exact(tmp_path) -> No
     proc = _start(run_dir, *overrides)
     wait_for_rows(run_dir, 30)
     proc.send_signal(signal.SIGTERM)
-    started = time.monotonic()
     output, _ = proc.communicate(timeout=60)
-    assert time.monotonic() - started < 30
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert "stopped by SIGTERM" in output and "Traceback" not in output
     stopped_at = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
@@ -100,3 +98,103 @@ def test_ctrl_c_stops_every_process_with_a_checkpoint(tmp_path) -> None:
     assert "stopped by SIGINT" in output and "Traceback" not in output
     assert load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"] > 0
     assert not [p for p in worker_pids(run_dir) if alive(p)]
+
+
+def _pid_of_rank(run_dir: Path, rank: int) -> int:
+    log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+    return int(re.search(rf"rank {rank} of \d+: pid (\d+)", log)[1])
+
+
+def _stop_with_rank_1_stopped(run_dir: Path, *overrides: str) -> tuple[int, str, list[Path]]:
+    """SIGSTOP rank 1, then SIGTERM the launcher: its exit code and output, and the
+    checkpoints there were before."""
+    proc = _start(run_dir, *TINY, "devices=2", "trainer.max_epochs=400", *overrides)
+    wait_for_rows(run_dir, 30)  # past the checkpoint of epoch 1
+    os.kill(_pid_of_rank(run_dir, 1), signal.SIGSTOP)
+    before = sorted((run_dir / "checkpoints").glob("step-*.pt"))
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=240)
+    assert not [p for p in worker_pids(run_dir) if alive(p)]
+    assert "Traceback" not in output
+    return proc.returncode, output, before
+
+
+def test_a_stop_that_a_stopped_rank_blocks_says_that_no_checkpoint_was_saved(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    code, output, before = _stop_with_rank_1_stopped(
+        run_dir, "distributed.stall_timeout_s=null", "distributed.timeout_s=10")
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    assert sorted((run_dir / "checkpoints").glob("step-*.pt")) == before  # none written
+    assert "stopped by SIGTERM, but no checkpoint was saved at the stop (rank(s) 1 did not " \
+           "stop" in output, output[-3000:]
+    assert f"the last checkpoint is checkpoints/{before[-1].name}" in output
+    assert "saved a checkpoint" not in output
+
+
+def test_a_stop_with_a_stopped_rank_reports_what_was_saved(tmp_path) -> None:
+    # The stall watchdog wakes the stopped rank to write its stacks (SIGCONT): the stop may
+    # then complete with a checkpoint, or not. Either way the launcher says which.
+    run_dir = tmp_path / "run"
+    code, output, before = _stop_with_rank_1_stopped(run_dir, "distributed.stall_timeout_s=5")
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    saved = re.search(r"stopped by SIGTERM; the workers saved a checkpoint at step (\d+)", output)
+    after = sorted((run_dir / "checkpoints").glob("step-*.pt"))
+    if saved:
+        assert after[-1].name == f"step-{int(saved[1]):08d}.pt" and after != before
+    else:
+        assert "stopped by SIGTERM, but no checkpoint was saved at the stop" in output, output
+        assert after == before
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_killed_worker_server_ends_the_workers_in_one_line(tmp_path) -> None:
+    run_dir, out = tmp_path / "run", tmp_path / "out.txt"
+    with open(out, "w") as sink:  # (a pipe would wait for workers that outlive the launcher)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "devices=2",
+             "trainer.max_epochs=400"], cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+    wait_for_rows(run_dir, 10)
+    server = _parent(_pid_of_rank(run_dir, 0))
+    assert server != proc.pid and _parent(server) == proc.pid  # the forkserver
+    os.kill(server, signal.SIGKILL)
+    proc.wait(timeout=240)
+    workers = worker_pids(run_dir)
+    assert len(workers) == 2 and not [p for p in workers if alive(p)]  # none prints after
+    output = out.read_text()
+    assert proc.returncode == 1, output[-3000:]
+    assert f"the worker server (forkserver) (pid {server}) was killed by SIGKILL: the " \
+           f"workers were stopped" in output, output[-3000:]
+    assert "exit codes" not in output and "Traceback" not in output
+
+
+def test_a_sigterm_after_done_leaves_a_completed_run(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, *TINY, "devices=2", "trainer.max_epochs=1")
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "done: step" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    output = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "completed"
+    assert "Traceback" not in output
+
+
+def test_a_killed_launcher_leaves_nothing_behind_after_the_next_start(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, *TINY, "devices=2", "trainer.max_epochs=400")
+    wait_for_rows(run_dir, 30)
+    reports = list(run_dir.glob(".workers-*"))  # the workers' reports, in the run directory
+    assert len(reports) == 1 and str(proc.pid) in reports[0].name
+    proc.kill()
+    proc.wait()
+    assert not still_alive(worker_pids(run_dir))
+    live = run_dir / f".workers-{socket.gethostname()}-{os.getpid()}"  # a live owner's
+    live.mkdir()
+    assert_ok(run_app(run_dir, *TINY, "devices=2", "trainer.max_epochs=1"))  # already finished
+    assert [p.name for p in run_dir.glob(".workers-*")] == [live.name]

@@ -217,8 +217,7 @@ def _stop_message(sig: int, cfg: AppConfig, killed: set[int], reports: list[dict
         why = [r for r in reports if r.get("stall")][0]["error"]
     elif killed:
         stuck = ", ".join(str(base_rank + i) for i in sorted(killed))
-        why = (f"rank(s) {stuck} did not stop within distributed.timeout_s="
-               f"{cfg.distributed.timeout_s:g} and were killed")
+        why = f"rank(s) {stuck} did not stop and were killed"
     else:
         why = "not every rank reached the step they agreed to stop at"
     return (f"stopped by {name}, but no checkpoint was saved at the stop ({why}); "
@@ -306,8 +305,6 @@ def _watch(cfg: AppConfig, procs: list, pids: list[_Pid], signals: _ParentSignal
         if forkserver and server_died is None and any(p.exitcode == 255 for p in procs):
             server_died = _forkserver_death()
             if server_died is not None:
-                log.warning("the worker server (forkserver) %s: stopping the workers",
-                            server_died)
                 asked_at = now
                 for pid in pids:
                     pid.send(signal.SIGTERM)  # the workers checkpoint, then stop

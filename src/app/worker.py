@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -74,12 +75,26 @@ def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank,
               me.local_rank, me.local_world_size, cfg.distributed.timeout_s)
     guard = watchdog.start(cfg.distributed.stall_timeout_s, run_dir, me.rank, me.world_size,
                            on_stall)
+    previous = None
     try:
-        return worker(cfg, run_dir, device)
+        result = worker(cfg, run_dir, device)
+        previous = _ignore_stop_signals()
+        return result
     finally:
         if guard is not None:
             guard.stop()
         dist.destroy()
+        for sig, handler in (previous or {}).items():
+            signal.signal(sig, handler)
+
+
+def _ignore_stop_signals() -> dict[int, Any]:
+    """Once the run has completed, a stop signal (as the process ends) would only turn it into
+    a run ended by that signal; the launcher, or torchrun, still ends a process whose end hangs
+    with SIGKILL. Returns the handlers to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _die_with_launcher(launcher_alive: Connection) -> None:
@@ -131,6 +146,7 @@ def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, kind: str, de
 
     try:
         result = run_rank(cfg, run_dir, kind, me, stalled)
+        _ignore_stop_signals()  # (until this process exits)
     except BaseException as e:
         if isinstance(e, AppError):
             failures.error("%s", e)
