@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -214,3 +215,132 @@ def test_queued_job_runs_the_config_as_submitted(tmp_path) -> None:
     assert proc.wait(timeout=600) == 0, (sweep.parent / "sweep.log").read_text()[-3000:]
     state = load_state(sweep / "0" / "checkpoints" / "last.pt")
     assert state["config"]["model"]["channels"] == [8, 16]
+
+
+# Jobs that end without a result from every task, and the submitting command's last words.
+
+
+def _watch(sweep: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+    """The submitting command in the background, as a user's terminal runs it (Ctrl-C
+    raises KeyboardInterrupt even where this test's own runner ignores SIGINT)."""
+    log = sweep.parent / f"{sweep.name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            _command(sweep, *overrides), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(HELPERS)},
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return proc, log
+
+
+def _one_job(sweep: Path) -> str:
+    _wait_for(lambda: (sweep / ".submitit").is_dir() and job_ids(sweep), 120, "the submission")
+    (job,) = job_ids(sweep)
+    return job
+
+
+def _end(proc: subprocess.Popen, sweep: Path) -> None:
+    """No job and no submitting command outlives its test."""
+    if (sweep / ".submitit").is_dir():
+        subprocess.run(["scancel", *{j.split("_")[0] for j in job_ids(sweep)}])
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _task_pid(job_id: str, task: int) -> int | None:
+    """The process of one task of a job (the emulated nodes run on this machine)."""
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            cmdline = (environ.parent / "cmdline").read_bytes().split(b"\0")
+            env = set(environ.read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if (b"submitit.core._submit" in cmdline and not cmdline[0].endswith(b"srun")
+                and f"SLURM_JOB_ID={job_id}".encode() in env
+                and f"SLURM_PROCID={task}".encode() in env):
+            return int(environ.parent.name)
+    return None
+
+
+def test_a_job_cancelled_in_the_queue_ends_the_command(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    proc, log = _watch(sweep, *TINY, "+hydra.launcher.additional_parameters.hold=true")
+    try:
+        job = _one_job(sweep)
+        subprocess.run(["scancel", job], check=True)
+        assert proc.wait(timeout=120) == 1  # submitit alone waits forever: its state is UNKNOWN
+        output = log.read_text()
+        assert f"job #0 (slurm job {job}) CANCELLED: no result from task 0" in output
+        assert "job #0 cancelled" in output  # the summary lists it, with no run of its own
+        # sacct fails on every poll of a cluster without accounting: said once
+        assert output.count("accounting storage is disabled") == 1, output
+    finally:
+        _end(proc, sweep)
+
+
+def test_a_killed_task_fails_the_job_naming_the_task_and_signal(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    proc, log = _watch(sweep, "devices=2", *TINY, "trainer.max_epochs=60")
+    try:
+        job = _one_job(sweep)
+        _wait_for(lambda: _task_pid(job, 1) is not None, 120, "task 1 to start")
+        os.kill(_task_pid(job, 1), signal.SIGKILL)
+        assert proc.wait(timeout=120) == 1, log.read_text()[-3000:]
+        assert f"job #0 (slurm job {job}) FAILED in task 1: killed by SIGKILL" in log.read_text()
+        assert final_state(job) == "FAILED"
+    finally:
+        _end(proc, sweep)
+
+
+def test_a_failing_single_task_job_is_failed(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    result = submit(sweep, "trainer=eval", "ckpt=/nonexistent", timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    (job,) = job_ids(sweep)
+    assert (f"job #0 (slurm job {job}) failed in task 0: UserError: checkpoint /nonexistent: "
+            "file not found") in output
+    assert final_state(job) == "FAILED"  # not COMPLETED: the task exited non-zero
+
+
+def test_ctrl_c_names_the_jobs_that_go_on(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    proc, log = _watch(sweep, *TINY, "optimizer.lr=0.01,0.003",
+                       "+hydra.launcher.additional_parameters.hold=true")
+    try:
+        _wait_for(lambda: "waiting for the results" in log.read_text(), 120, "the submission")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        output = log.read_text()
+        assert "Traceback" not in output, output
+        array = [j for j in job_ids(sweep) if "_" in j]  # beside the folder of the array's script
+        assert len(array) == 2
+        for num, job in enumerate(array):
+            assert (f"job #{num} (slurm job {job}) is queued (PENDING) and goes on without this "
+                    f"command: watch it with `squeue -j {job}` (log: {sweep / str(num)}"
+                    f"/train.log), cancel it with `scancel {job}`") in output
+            assert job_field(job, "JobState") == "PENDING"  # untouched
+    finally:
+        _end(proc, sweep)
+
+
+def test_a_job_slurm_no_longer_lists_has_ended() -> None:
+    """After MinJobAge the controller forgets a finished job: squeue no longer lists it."""
+    from hydra_plugins.app_submitit._slurm_states import SlurmStates
+
+    watcher = SlurmStates()
+    watcher.register_job("99999999")  # never submitted here
+    assert watcher.get_state("99999999", mode="force") == "GONE"
+    assert watcher.is_done("99999999", mode="cache")
+
+
+def test_srun_reports_name_tasks_and_signals(tmp_path) -> None:
+    from hydra_plugins.app_submitit._job_report import srun_failures
+
+    batch_log = tmp_path / "7_0_log.err"
+    batch_log.write_text("srun: error: node1: task 1: Killed\n"
+                         "srun: launch/slurm: _step_signal: Terminating StepId=7.0\n"
+                         "srun: error: node2: tasks 2-3: Segmentation fault (core dumped)\n"
+                         "srun: error: node1: task 0: Exited with exit code 143\n")
+    assert srun_failures(batch_log) == [(1, "killed by SIGKILL"), (2, "killed by SIGSEGV"),
+                                        (0, "exit code 143 (SIGTERM)")]

@@ -1,12 +1,18 @@
-"""hydra-submitit-launcher, extended for app in three ways:
+"""hydra-submitit-launcher, extended for app in four ways:
 
 - Submit what was validated: every job's config is composed and validated in the submitting
   process; one invalid config submits nothing. The composed configs travel with the jobs, so
   a queued job runs its config as it was at submission even if YAML files change later.
 - Failures are failures: a task whose job raised exits non-zero (the stock launcher returns
   the error as a value and the task exits 0, leaving Slurm's job COMPLETED), so srun's
-  --kill-on-bad-exit ends its peers at once and Slurm marks the job FAILED; the submitting
+  --kill-on-bad-exit ends its peers at once and Slurm marks the job FAILED; a job of one
+  task, which returns NaN on failure so that local sweeps go on, raises too. The submitting
   command reports the error instead of a traceback wall.
+- Never waits forever: job states come from squeue where sacct fails (a cluster without
+  accounting), so a job that ends without a result from every task (scancel, a killed task)
+  ends the wait with one line: its state, the task that failed first and why
+  (_job_report.py). Ctrl-C stops the waiting, not the jobs: one line per job that goes on,
+  with how to watch or cancel it.
 - Requeue after a checkpoint: app's loop itself handles submitit's requeue signal (see
   app/stop.py), so the stock `checkpoint()` (resubmit with the same arguments) suffices.
 """
@@ -30,22 +36,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 log = logging.getLogger(__name__)
 
 
-class _SacctOnce(logging.Filter):
-    """Without Slurm accounting every status poll warns that sacct failed; say it once."""
-
-    seen = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "Bypassing sacct error" not in record.getMessage():
-            return True
-        if _SacctOnce.seen:
-            return False
-        _SacctOnce.seen = True
-        record.msg = "sacct failed (no Slurm accounting?): job states come from squeue"
-        record.args = ()
-        return True
-
-
 def device_slice(job_num: int, devices: int | str, ids: list[str]) -> list[str] | None:
     """The devices of local job `job_num`: slot job_num mod (len(ids) // devices). More jobs
     than slots share slots round-robin. None when there is nothing to split."""
@@ -53,30 +43,6 @@ def device_slice(job_num: int, devices: int | str, ids: list[str]) -> list[str] 
         return None
     slot = job_num % (len(ids) // devices)
     return ids[slot * devices:(slot + 1) * devices]
-
-
-def _root_cause(job: Any) -> tuple[int, str, str]:
-    """(task, last line of its error, its log) of the task that failed first: a task that
-    raises makes its peers fail in their next collective, or get killed by srun."""
-    import math
-
-    failures = []
-    for task_id in range(job.num_tasks):
-        task = job.task(task_id)
-        error = task.exception()
-        if error is None:
-            continue
-        result = task.paths.result_pickle
-        when = result.stat().st_mtime if result.exists() else math.inf
-        parts = str(error).split("----------------------")
-        text = parts[1] if len(parts) > 2 else str(error)
-        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-        failures.append((when, task_id, lines[-1] if lines else "unknown error",
-                         str(task.paths.stderr)))
-    if not failures:
-        return 0, "the job ended without a result", str(job.paths.stderr)
-    _, task_id, line, log = min(failures)
-    return task_id, line, log
 
 
 class _AppSubmititLauncher(BaseSubmititLauncher):
@@ -150,7 +116,28 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
                          job_subdir_key="hydra.sweep.subdir")
         if result.status == JobStatus.FAILED:
             raise result._return_value
+        self._fail_if_recorded(self._run_dir(job_num))
         return result
+
+    @staticmethod
+    def _fail_if_recorded(run_dir: Path) -> None:
+        """A job that is this one process (one task) returns NaN when it fails, so that a local
+        sweep goes on (app/__main__.py); its task must still exit non-zero for Slurm to mark
+        the job FAILED. rank 0 of a job of many tasks raises instead."""
+        import json
+        import os
+
+        from app.cluster_env import detect
+        from app.results import RESULT
+
+        from ._job_report import JobFailed
+
+        record = run_dir / RESULT
+        if detect(os.environ) is not None or not record.is_file():
+            return
+        ended = json.loads(record.read_text())
+        if ended.get("status") == "failed":
+            raise JobFailed(ended.get("error") or "the job failed")
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
                ) -> Sequence[JobReturn]:
@@ -159,9 +146,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         assert self.config is not None
         # submitit prints its warnings on stdout and on stderr; Hydra's console handler (which
         # the records reach anyway) is enough in the submitting process.
-        submitit_log = logging.getLogger("submitit")
-        submitit_log.handlers.clear()
-        submitit_log.addFilter(_SacctOnce())
+        logging.getLogger("submitit").handlers.clear()
         self.composed = {initial_job_idx + i: self._compose_and_validate(list(o),
                                                                            initial_job_idx + i)
                          for i, o in enumerate(job_overrides)}
@@ -181,28 +166,106 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         nums = sorted(self.composed)
         for num, overrides in zip(nums, job_overrides, strict=True):
             log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
-        jobs = executor.map_array(
-            self, [list(o) for o in job_overrides], ["hydra.sweep.dir"] * len(nums), nums,
-            [f"job_id_for_{n}" for n in nums], [Singleton.get_state()] * len(nums))
-        return [self._result(job, num, list(o))
-                for job, num, o in zip(jobs, nums, job_overrides, strict=True)]
+        if self._EXECUTOR == "slurm":
+            from submitit.slurm.slurm import SlurmJob
+
+            from ._slurm_states import SlurmStates
+
+            # Shared by every SlurmJob of this process (submitit's design): jobs register
+            # with it when created, so it is set before submitting.
+            SlurmJob.watcher = SlurmStates()
+        jobs: list[Any] = []
+        try:
+            jobs = executor.map_array(
+                self, [list(o) for o in job_overrides], ["hydra.sweep.dir"] * len(nums), nums,
+                [f"job_id_for_{n}" for n in nums], [Singleton.get_state()] * len(nums))
+            log.info("submitted as %s job%s %s; waiting for the results (Ctrl-C stops the "
+                     "waiting, not the jobs)", self._EXECUTOR, "s" * (len(jobs) > 1),
+                     ", ".join(job.job_id for job in jobs))
+            return [self._result(job, num, list(o))
+                    for job, num, o in zip(jobs, nums, job_overrides, strict=True)]
+        except KeyboardInterrupt:
+            if self._EXECUTOR != "slurm":
+                raise  # local jobs are this command's children: they get the Ctrl-C too
+            self._report_left(jobs, nums)
+            sys.exit(130)
+
+    def _run_dir(self, num: int) -> Path:
+        sweep = self.composed[num].hydra.sweep
+        return Path(str(sweep.dir), str(sweep.subdir))
+
+    def _report_left(self, jobs: list[Any], nums: list[int]) -> None:
+        """After Ctrl-C: the jobs that go on without this command, and how to follow them."""
+        from submitit.slurm.slurm import SlurmJob
+
+        from ._slurm_states import FINAL
+
+        if not jobs:
+            log.error("interrupted while submitting: a job already submitted goes on (list "
+                      "yours with `squeue -u $USER`)")
+            return
+        try:
+            SlurmJob.watcher.update()
+        except KeyboardInterrupt:  # a second Ctrl-C: the states known so far will do
+            pass
+        for job, num in zip(jobs, nums, strict=True):
+            state = SlurmJob.watcher.get_state(job.job_id, mode="cache").split()[0]
+            finished = all(job.task(t).paths.result_pickle.exists()
+                           for t in range(job.num_tasks))
+            if finished or state in FINAL:
+                continue
+            now = {"UNKNOWN": "may be queued or running", "PENDING": "is queued (PENDING)"
+                   }.get(state, f"is {state}")
+            log.warning("job #%d (slurm job %s) %s and goes on without this command: watch it "
+                        "with `squeue -j %s` (log: %s), cancel it with `scancel %s`", num,
+                        job.job_id, now, job.job_id, self._run_dir(num) / "train.log",
+                        job.job_id)
 
     def _result(self, job: Any, num: int, overrides: list[str]) -> JobReturn:
-        import submitit
+        from ._job_report import describe, outcomes
 
-        try:
-            return job.results()[0]
-        except submitit.core.utils.UncompletedJobError:  # FailedJobError is one too
-            task, line, task_log = _root_cause(job)
-            message = (f"job #{num} ({self._EXECUTOR} job {job.job_id}) failed in task "
-                       f"{task}: {line} (log: {task_log})")
-            log.error("%s", message)
-            # Reported here and in the sweep's summary (app.summary ends the command non-zero);
-            # the sweep itself goes on, and NaN is what sweepers take for a failed trial.
-            return JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
-                             _return_value=math.nan,
-                             working_dir=str(Path(str(self.composed[num].hydra.sweep.dir),
-                                                  str(self.composed[num].hydra.sweep.subdir))))
+        job.wait()  # a result file from every task, or a final state of the job
+        state = job.state.split()[0].upper() if self._EXECUTOR == "slurm" else ""
+        # A task that exited 0 wrote its result: a missing one is a slow file system.
+        results = outcomes(job, grace_s=15 if state in ("", "COMPLETED") else 0)
+        if all(r is not None and r[0] == "success" for r in results):
+            return results[0][1]
+        task, what, task_log = describe(job, state, results)
+        # A task without a result was ended by Slurm: its state says how. Otherwise the job
+        # raised, and Slurm's state (not final yet) would tell no more.
+        ended_by_slurm = bool(state) and None in results
+        how = ({"GONE": "ended"}.get(state, state)) if ended_by_slurm else "failed"
+        where = "" if task is None else f" in task {task}"
+        log.error("job #%d (%s job %s) %s%s: %s (log: %s)", num, self._EXECUTOR, job.job_id,
+                  how, where, what, task_log)
+        if ended_by_slurm:
+            task_part = "" if task is None else f", task {task}"
+            self._record_end(num, how.lower(), f"slurm job {job.job_id}{task_part}: {what}")
+        # Reported here and in the sweep's summary (app.summary ends the command non-zero);
+        # the sweep itself goes on, and NaN is what sweepers take for a failed trial.
+        return JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
+                         _return_value=math.nan, working_dir=str(self._run_dir(num)))
+
+    def _record_end(self, num: int, status: str, error: str) -> None:
+        """Record in the run directory how Slurm ended the job, for the sweep's summary (which
+        lists run directories and fails the command for every job not completed): a task that
+        was killed wrote nothing, and a job cancelled while queued has no directory yet."""
+        import json
+        import os
+
+        from app.results import RESULT
+
+        run_dir = self._run_dir(num)
+        (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+        overrides = run_dir / ".hydra" / "overrides.yaml"
+        if not overrides.exists():
+            OmegaConf.save(self.composed[num].hydra.overrides.task, overrides)
+        record = run_dir / RESULT
+        earlier = json.loads(record.read_text()) if record.is_file() else {}
+        tmp = run_dir / f".{RESULT}.tmp"
+        tmp.write_text(json.dumps({"status": status, "wall_s": earlier.get("wall_s"),
+                                   "error": error}, indent=2) + "\n")
+        os.replace(tmp, record)
 
 
 class AppSlurmLauncher(_AppSubmititLauncher):

@@ -1,0 +1,98 @@
+"""Job states for the submitting command: from sacct, or from squeue where sacct fails.
+
+submitit reads states from sacct only. On a cluster without accounting (the local test
+cluster, many small ones) every state stays UNKNOWN, so a job that ends without a result
+from every task (scancel, a killed task, a node failure) is waited for forever. Slurm's
+controller keeps a finished job, with its final state, for MinJobAge seconds (300 by
+default) and `squeue --states=all` lists it meanwhile; a job that squeue no longer lists at
+all has ended too. The module name starts with "_": Hydra's plugin scan skips it, so submitit
+is imported only by runs that submit.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+
+from submitit.slurm.slurm import SlurmInfoWatcher
+
+log = logging.getLogger(__name__)
+
+# Ours, not Slurm's: squeue no longer lists the job (the controller forgot it after MinJobAge).
+GONE = "GONE"
+# States after which a job never runs again. The others may still give a result: PENDING,
+# RUNNING, COMPLETING, REQUEUED, SUSPENDED, and PREEMPTED, which a requeue follows.
+FINAL = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+         "OUT_OF_MEMORY", "REVOKED", "TIMEOUT", GONE}
+# Polls at least this often: well under MinJobAge, so a job's final state is still listed.
+DELAY_S = 60
+
+
+class SlurmStates(SlurmInfoWatcher):
+    """submitit's watcher, reading squeue once sacct has failed (told once, not every poll)."""
+
+    def __init__(self, delay_s: int = DELAY_S) -> None:
+        super().__init__(delay_s=delay_s)
+        self.source = "sacct"
+        self._squeue_failed = False
+
+    def is_done(self, job_id: str, mode: str = "standard") -> bool:
+        # sacct writes "CANCELLED by 1000"; squeue "CANCELLED".
+        state = self.get_state(job_id, mode=mode).split()
+        return bool(state) and state[0].upper() in FINAL
+
+    def update(self) -> None:
+        """One call for every job not yet finished (as submitit's own update)."""
+        ids = sorted({x.split("_")[0] for x in self._registered - self._finished})
+        if not ids:
+            return
+        self._num_calls += 1
+        info = self._sacct() if self.source == "sacct" else None
+        if info is None and self.source == "squeue":
+            info = self._squeue(ids)
+        if info is not None:
+            self._info_dict.update(info)
+        self._last_status_check = time.time()
+        for job_id in self._registered - self._finished:
+            if self.is_done(job_id, mode="cache"):
+                self._finished.add(job_id)
+
+    def _run(self, command: list[str]) -> subprocess.CompletedProcess | str:
+        try:
+            return subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return str(e)
+
+    def _sacct(self) -> dict[str, dict[str, str]] | None:
+        command = self._make_command()
+        assert command is not None
+        done = self._run(command)
+        if isinstance(done, str) or done.returncode != 0:
+            why = done if isinstance(done, str) else (done.stderr.strip().splitlines()
+                                                      or [f"exit code {done.returncode}"])[0]
+            log.warning("sacct failed (%s): job states come from squeue", why)
+            self.source = "squeue"
+            return None
+        return self.read_info(done.stdout)
+
+    def _squeue(self, ids: list[str]) -> dict[str, dict[str, str]] | None:
+        done = self._run(["squeue", "--noheader", "--array", "--states=all",
+                          "--format=%i|%T", f"--jobs={','.join(ids)}"])
+        # squeue fails with "Invalid job id specified" only when it lists none of the jobs.
+        if isinstance(done, str) or (done.returncode != 0
+                                     and "Invalid job id" not in done.stderr):
+            if not self._squeue_failed:  # states stay as they were; tried again next poll
+                why = done if isinstance(done, str) else done.stderr.strip()
+                log.warning("squeue failed (%s): job states may lag", why)
+            self._squeue_failed = True
+            return None
+        info = {}
+        for line in done.stdout.splitlines():
+            job_id, _, state = line.strip().partition("|")
+            if job_id:
+                info[job_id] = {"JobID": job_id, "State": state}
+        for job_id in self._registered - self._finished:
+            if job_id not in info and job_id.split("_")[0] in ids:
+                info[job_id] = {"JobID": job_id, "State": GONE}
+        return info
