@@ -191,7 +191,7 @@ def _panel(draw: ImageDraw.ImageDraw, area: Panel, title: str, ylabel: str, line
         xy = [area.at(x_axis, y_axis, s, v) for s, v in line]
         if len(xy) > 1:
             draw.line(xy, fill=color, width=2)
-        if len(xy) <= MARKERS_UP_TO or key.startswith("val"):
+        if len(xy) <= MARKERS_UP_TO:
             for px, py in xy:
                 draw.ellipse((px - 3, py - 3, px + 3, py + 3), fill=color)
 
