@@ -68,3 +68,23 @@ def test_invalid_yaml_names_file_line_and_column(tmp_path, text: str, where: str
         OmegaConf.load(f)  # as Hydra reads a config file
     line = explain(err.value)
     assert line is not None and line.startswith(f"{path}, {where}: ") and words in line, line
+
+
+def test_the_wrapped_hydra_handler_prints_one_line_unless_full_errors_are_asked_for(
+        monkeypatch, capsys) -> None:
+    from hydra._internal import utils
+
+    import app.__main__  # noqa: F401 (installs the wrapper, as `python -m app` does)
+
+    def compose() -> None:
+        yaml.safe_load("a: [1, 2\nb: 3\n")
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as end:
+        utils.run_and_report(compose)
+    assert end.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert utils.run_and_report(lambda: 5) == 5  # a job's return value passes through
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # Hydra's own report: the whole traceback
+    with pytest.raises(yaml.YAMLError):
+        utils.run_and_report(compose)
