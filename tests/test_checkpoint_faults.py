@@ -81,6 +81,12 @@ def test_a_checkpoint_name_taken_by_a_directory_stops_before_training(tmp_path, 
     assert not (run_dir / "metrics.csv").exists()  # nothing was trained
 
 
+def test_a_directory_given_as_the_checkpoint_to_evaluate_is_one_line(tmp_path) -> None:
+    (tmp_path / "last.pt").mkdir()
+    with pytest.raises(UserError, match="last.pt: a directory, not a checkpoint file"):
+        _train(tmp_path / "run", "trainer=eval", f"ckpt={tmp_path / 'last.pt'}")
+
+
 @pytest.fixture(scope="module")
 def good_state(tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("good") / "run"

@@ -87,6 +87,9 @@ def load(path: str | Path, resume: bool = False) -> dict[str, Any]:
     """Read a checkpoint with `weights_only=True` and check its structure (`check`): a
     user-facing error if it is not one, or (with `resume`) not one a run can resume from."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"checkpoint {path}: a directory, not a checkpoint file (a run keeps "
+                        f"its checkpoints in checkpoints/: give one, such as last.pt)")
     if not path.is_file():
         raise UserError(f"checkpoint {path}: file not found")
     # Garbage bytes make the unpickler raise almost anything (IndexError, KeyError,
