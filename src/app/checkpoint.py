@@ -112,12 +112,17 @@ def _type(value: Any) -> str:
     return type(value).__name__
 
 
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None  # (extra state)
+
+
 def _check_weights(weights: Any, path: Path, where: str) -> None:
     if not isinstance(weights, dict):
         raise UserError(f"checkpoint {path}: {where} is {_type(weights)}, not a dict of "
                         f"tensors: not an app checkpoint, or a damaged one")
     for name, value in weights.items():
-        if not isinstance(value, torch.Tensor):
+        # (`_extra_state`: what a module's get_extra_state returns, any plain value)
+        if not isinstance(value, torch.Tensor) and not str(name).endswith("_extra_state"):
             raise UserError(f"checkpoint {path}: {where} entry {name!r} is {_type(value)}, not "
                             f"a tensor: not an app checkpoint, or a damaged one")
 
@@ -242,12 +247,12 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
     missing = sorted(set(ours) - set(theirs))
     unexpected = sorted(set(theirs) - set(ours))
     wrong_shape = [
-        f"{k} {tuple(theirs[k].shape)} vs {tuple(ours[k].shape)}"
+        f"{k} {_shape(theirs[k])} vs {_shape(ours[k])}"
         for k in sorted(set(ours) & set(theirs))
-        if theirs[k].shape != ours[k].shape
+        if _shape(theirs[k]) != _shape(ours[k])
     ]
     if not strict:
-        fitting = {k: v for k, v in theirs.items() if k in ours and v.shape == ours[k].shape}
+        fitting = {k: v for k, v in theirs.items() if k in ours and _shape(v) == _shape(ours[k])}
         model.load_state_dict(fitting, strict=False)
         skipped = missing + unexpected + wrong_shape
         log.info("loaded %d of %d weights from %s%s", len(fitting), len(ours), path,
