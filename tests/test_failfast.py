@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -170,19 +171,21 @@ def test_a_killed_worker_server_ends_the_workers_in_one_line(tmp_path) -> None:
     assert "exit codes" not in output and "Traceback" not in output
 
 
-def test_a_sigterm_after_done_leaves_a_completed_run(tmp_path) -> None:
+def test_a_sigterm_after_the_run_completed_leaves_it_completed(tmp_path) -> None:
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, *TINY, "devices=2", "trainer.max_epochs=1")
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "done: step" in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-    output = "".join(lines) + proc.communicate(timeout=120)[0]
+    # (the helper callback keeps the process 5 s after its job: the window to signal it in)
+    proc = _start(run_dir, *TINY, "devices=2", "trainer.max_epochs=1",
+                  "+hydra.callbacks.linger._target_=linger.Linger",
+                  "+hydra.callbacks.linger.seconds=5")
+    result = run_dir / "result.json"
+    while proc.poll() is None and not result.is_file():
+        time.sleep(0.01)
+    assert json.loads(result.read_text())["status"] == "completed"
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-3000:]
-    assert json.loads((run_dir / "result.json").read_text())["status"] == "completed"
-    assert "Traceback" not in output
+    assert json.loads(result.read_text())["status"] == "completed"
+    assert "SIGTERM arrived after the run had completed: nothing was stopped" in output
 
 
 def test_a_killed_launcher_leaves_nothing_behind_after_the_next_start(tmp_path) -> None:
