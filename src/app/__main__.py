@@ -47,7 +47,8 @@ def main(dict_cfg: DictConfig) -> float | None:
     record = rank_env is None or rank_env.rank == 0
     lock = RunLock(run_dir)  # one command per run directory: that same process holds it
     try:
-        if record:
+        # (machine 0's launcher only: the other machines of a nodes=N run share its directory)
+        if record and dict_cfg.get("machine_rank", 0) == 0:
             lock.acquire()  # RunDirInUse (naming the holder) before anything is written
         # Convert at the boundary: below here code sees plain, resolved, typed objects.
         cfg = to_app_config(dict_cfg)
