@@ -366,8 +366,13 @@ def _running(pid: int) -> bool:
 
 def _wake_to_dump(pid: int) -> None:
     """Ask a stopped process of this job for its stacks: the dump signal waits until SIGCONT
-    lets the process run, and faulthandler's handler writes them at once."""
-    if DUMP_SIGNAL is None:
+    lets the process run, and faulthandler's handler writes them at once. Only a process that
+    is stopped now is signalled: a rank that has ended may have left its pid to another."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return
+    if DUMP_SIGNAL is None or state != "T":
         return
     try:
         os.kill(pid, DUMP_SIGNAL)
