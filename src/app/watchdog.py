@@ -335,8 +335,14 @@ class Watchdog:
                 time.sleep(0.05)
         try:
             self.on_stall(verdict["message"])
-            if self.rank == self.store_rank:  # the others may still read the verdict: wait
-                self._wait_for_others(deadline=time.monotonic() + 2 * self.interval + 1)
+            # Every rank reads the verdict within a round and acts on it in the next: until
+            # then no rank leaves (one that left would fail the others' collectives, and they
+            # would end without their stacks); the store's server stays until the others left.
+            linger = time.monotonic() + 2 * self.interval + 0.5
+            if self.rank == self.store_rank:
+                self._wait_for_others(deadline=linger + 1)
+            while time.monotonic() < linger:
+                time.sleep(0.05)
         finally:
             for handler in logging.getLogger().handlers:
                 handler.flush()
