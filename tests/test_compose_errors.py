@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from hydra.errors import ConfigCompositionException
@@ -88,3 +90,20 @@ def test_the_wrapped_hydra_handler_prints_one_line_unless_full_errors_are_asked_
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # Hydra's own report: the whole traceback
     with pytest.raises(yaml.YAMLError):
         utils.run_and_report(compose)
+
+
+def test_a_yaml_error_inside_the_job_is_the_jobs_not_a_config_files() -> None:
+    # A job's own code that parses YAML (a user's data module, say) fails as the job fails,
+    # not as "fix the YAML there" about a config file. The frame of the entry's task
+    # function is what tells the two apart: compiled here under its file and name.
+    import app
+
+    entry = str(Path(app.__file__).with_name("__main__.py"))
+    namespace = {"yaml": yaml}
+    exec(compile("def main():\n    yaml.safe_load('a: [1')\n", entry, "exec"), namespace)
+    with pytest.raises(yaml.YAMLError) as raised:
+        namespace["main"]()
+    assert explain(raised.value) is None
+    with pytest.raises(yaml.YAMLError) as raised:
+        yaml.safe_load("a: [1")
+    assert explain(raised.value) is not None  # the same error from composition is explained

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -95,8 +96,25 @@ def missing_key_line(override: str, value: str | None, cause: Exception) -> str 
     return f"{override}: no such key in {section}; {listing} prints its keys"
 
 
+def _raised_by_the_job(e: BaseException) -> bool:
+    """Whether `e` came from inside the task function (a job's own error, reported by the job
+    path), not from Hydra's composition before it."""
+    # (Matched by file and name: under `python -m app` the entry module is `__main__`, and
+    # importing app.__main__ would run it a second time.)
+    entry = str(Path(__file__).with_name("__main__.py"))
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "main" and code.co_filename == entry:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def explain(e: BaseException) -> str | None:
     """One line for a composition error that Hydra would not say well, else None."""
+    if _raised_by_the_job(e):
+        return None
     seen = e
     while seen is not None:  # a YAML error may come wrapped by Hydra or OmegaConf
         if isinstance(seen, yaml.YAMLError):
