@@ -3,6 +3,7 @@ rank's Python stack on disk (app.watchdog)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -24,7 +25,8 @@ def _peer(rank: int, moved: float, heard: float, waiting: bool, step: int | None
           done: bool = False) -> Peer:
     """A rank whose counter last moved `moved` s ago and whose record came `heard` s ago."""
     return Peer(rank, moved_at=100.0 - moved, heard_at=100.0 - heard, ticks=3, beat=3,
-                step=step, host=f"node{rank}", pid=1000 + rank, waiting=waiting, done=done)
+                step=step, host=f"node{rank}", pid=1000 + rank, waiting=waiting, done=done,
+                armed=True)
 
 
 def test_no_verdict_while_any_rank_moves() -> None:
@@ -62,11 +64,88 @@ def test_ranks_that_ended_are_not_stalled() -> None:
     assert judge([peers[0]], 100.0, STALL) is None
 
 
+def test_nothing_is_judged_before_every_rank_has_done_its_first_step() -> None:
+    """Building the data set, loading a checkpoint, compiling the model: no ticks, no stall."""
+    peers = [_peer(0, moved=STALL, heard=0, waiting=True),
+             _peer(1, moved=STALL, heard=0, waiting=False)]  # (compiling its first step)
+    peers[1].armed = False
+    assert judge(peers, 100.0, STALL) is None
+    first = Peer(1, moved_at=0.0, heard_at=0.0)
+    for ticks, armed in ((1, False), (2, True)):  # armed once its first step is done
+        first.update({"ticks": ticks, "beat": ticks, "step": None, "host": "h", "pid": 1,
+                      "waiting": False, "done": False}, 1.0)
+        assert first.armed is armed
+
+
+def test_a_rank_writing_a_checkpoint_makes_progress() -> None:
+    """A large torch.save and its fsync tick nothing while they run: `busy` is progress."""
+    peer = Peer(0, moved_at=0.0, heard_at=0.0)
+    record = {"ticks": 5, "beat": 1, "step": 3, "host": "h", "pid": 1, "waiting": False,
+              "done": False}
+    peer.update(record, 1.0)
+    peer.update({**record, "beat": 2, "busy": True}, 50.0)  # the same ticks, but writing
+    assert peer.moved_at == 50.0
+    with watchdog.busy():
+        assert json.loads(watchdog.Watchdog(0, 2, STALL, Path("r"), print)._record(0))["busy"]
+
+
+def test_a_rank_waiting_for_a_requeue_counts_as_ended() -> None:
+    """A Slurm requeue: rank 0 requeues, the others sleep until Slurm ends them; not a stall
+    (stall_timeout_s may be below stop.REQUEUE_WAIT_S)."""
+    dog = watchdog.Watchdog(1, 2, STALL, Path("r"), print)
+    assert not json.loads(dog._record(0))["done"]
+    try:
+        watchdog.leave()
+        assert json.loads(dog._record(0))["done"]
+    finally:
+        watchdog._left = False
+
+
+def test_a_wait_for_the_device_counts_as_waiting() -> None:
+    """With NCCL the host waits for a slow rank at the app's own device syncs (the loss
+    check), not inside torch.distributed."""
+    from app.train_step import FiniteLosses
+
+    seen = []
+
+    class Probe:
+        def __bool__(self) -> bool:
+            seen.append(watchdog._waits_for_others(None))
+            return True
+
+    FiniteLosses._raise_unless_finite(Probe(), None, 1)
+    assert seen == [True]
+
+
+def test_each_verdict_writes_a_section_of_its_own(tmp_path, monkeypatch) -> None:
+    """A stacks file kept from an earlier stall (or a dump by hand) does not hide the stacks
+    of a new verdict."""
+    path = tmp_path / "logs" / "rank1.stacks"
+    path.parent.mkdir()
+    path.write_text("Thread 0x1 (most recent call first):\n  an earlier dump\n")
+    monkeypatch.setattr(watchdog.os, "_exit", lambda code: sys.exit(code))
+    stalls = []
+    dog = watchdog.Watchdog(1, 2, 0.5, tmp_path, stalls.append)
+    with watchdog.stacks_on_signal(path):
+        for message in ("first stall", "second stall"):
+            try:
+                dog._end({"id": message, "time": "now", "message": message, "wake": []})
+            except SystemExit as e:
+                assert e.code == watchdog.EXIT_CODE
+    watchdog._stalled.clear()
+    text = path.read_text()
+    assert text.startswith("Thread 0x1") and stalls == ["first stall", "second stall"]
+    sections = text.split("=== ")[1:]
+    assert [s.split("rank 1: ")[1].splitlines()[0].split(" (pid")[0] for s in sections] == \
+        ["first stall", "second stall"]
+    assert all("most recent call first" in s for s in sections), text
+
+
 def test_the_verdict_names_rank_host_pid_and_steps() -> None:
     peers = [_peer(0, moved=STALL, heard=0, waiting=True, step=12),
              _peer(1, moved=STALL, heard=STALL, waiting=False, step=11)]
     line = describe(peers, judge(peers, 100.0, STALL), 100.0, STALL, Path("/runs/a"))
-    assert line.startswith("rank 1 on host node1 (pid 1001, last step 11, not running")
+    assert line.startswith("rank 1 on host node1 (pid 1001, last published step 11, not running")
     assert "while the other ranks waited at step 12" in line
     assert "distributed.stall_timeout_s=10" in line and "/runs/a/logs/rank{N}.stacks" in line
 
@@ -113,7 +192,8 @@ def test_a_stopped_rank_ends_the_job_named_with_every_stack(tmp_path) -> None:
     os.kill(_pid_of_rank(run_dir, 1), signal.SIGSTOP)
     output, _ = proc.communicate(timeout=240)  # 30 minutes (distributed.timeout_s) before
     assert proc.returncode == 1, output[-3000:]
-    line = re.search(r"rank 1 on host (\S+) \(pid \d+, last step (\d+), not running.*", output)
+    line = re.search(r"rank 1 on host (\S+) \(pid \d+, last published step (\d+), not running.*",
+                     output)
     assert line, output[-3000:]
     assert line[1] == socket.gethostname()
     trained = max(int(r["step"]) for r in read_metrics(run_dir))
@@ -130,10 +210,58 @@ def test_a_rank_in_a_dead_loop_ends_the_job_named(tmp_path) -> None:
                   "distributed.stall_timeout_s=5", "distributed.timeout_s=600")
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 1, output[-3000:]
-    assert re.search(r"rank 1 on host \S+ \(pid \d+, last step \d+\) has made no progress "
-                     r"for 5 s while the other ranks waited", output), output[-3000:]
+    assert re.search(r"rank 1 on host \S+ \(pid \d+, last published step \d+\) has made no "
+                     r"progress for 5 s while the other ranks waited", output), output[-3000:]
     assert "rank 0 on host" not in output and "Traceback" not in output
     stacks = (run_dir / "logs" / "rank1.stacks").read_text()
     assert "faults.py" in stacks  # where it sleeps
     _assert_stacks(run_dir)
     assert not [p for p in worker_pids(run_dir) if alive(p)]
+
+
+def _torchrun_rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of the process of `rank` that torchrun started for `run_dir`."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"hydra.run.dir={run_dir}".encode() in cmdline and b"torch.distributed.run" \
+                not in b" ".join(cmdline) and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+def test_a_stopped_rank_under_torchrun_ends_the_job_at_once_in_one_line(tmp_path) -> None:
+    """After the verdict no rank trains on (no validation, no checkpoint), and the woken rank's
+    failed collective is not reported instead of the stall (no traceback)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "trainer.max_epochs=400",
+         "trainer.val_every_n_steps=1", "trainer.ckpt_every_n_steps=1",
+         "distributed.stall_timeout_s=5"], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(HELPERS)})
+    wait_for_rows(run_dir, 10)
+    time.sleep(2)  # a record after the first step: a rank is judged only from then on
+    os.kill(_torchrun_rank_pid(run_dir, 1), signal.SIGSTOP)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()  # (torchrun's agent ends its ranks)
+    assert proc.returncode != 0, output[-3000:]
+    lines = re.findall(r".*rank 1 on host \S+ \(pid \d+, last published step \d+, not "
+                       r"running.*waited at step (\d+).*", output)
+    assert len(lines) == 1, output[-3000:]
+    # (torchrun's own report of the failed rank has a traceback of torchrun's: not the app's)
+    assert "Error executing job" not in output, output[-3000:]
+    assert f'File "{REPO / "src" / "app"}' not in output, output[-3000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "failed" and result["error"].startswith("Stalled: rank 1"), result
+    # Rank 0 waited at step N; the woken rank may finish that step, no more.
+    stopped_at = int(lines[0])
+    steps = [int(r["step"]) for r in read_metrics(run_dir) if r.get("split") == "val"]
+    assert max(steps) <= stopped_at + 1, (stopped_at, steps)
+    saved = [int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*.pt")]
+    assert max(saved) <= stopped_at + 1, (stopped_at, saved)

@@ -51,7 +51,8 @@ class CheckpointWriter:
         self.saves += 1
         self.wait()  # the previous write: one copy of the state at a time, files in order
         if not self.background:
-            checkpoint.save(state, path)
+            with watchdog.busy():  # progress that does not tick (a large file, an fsync)
+                checkpoint.save(state, path)
             then()
             self.waited_s += time.perf_counter() - start
             return time.perf_counter() - start
@@ -59,7 +60,8 @@ class CheckpointWriter:
         self._from_cuda = False
         copy = self._copy(state, itertools.count())
         if self._from_cuda:
-            torch.cuda.synchronize()  # the device-to-host copies were asynchronous
+            with watchdog.waiting():  # (behind the device's queue: a collective, with NCCL)
+                torch.cuda.synchronize()  # the device-to-host copies were asynchronous
         self._copied.clear()
         self._thread = threading.Thread(target=self._write, args=(copy, path, then, start),
                                         name="app-checkpoint-writer")
@@ -95,7 +97,8 @@ class CheckpointWriter:
             self._deferred.clear()
             self._copied.set()
         try:
-            checkpoint.save(state, path)
+            with watchdog.busy():  # progress that does not tick (a large file, an fsync)
+                checkpoint.save(state, path)
             watchdog.tick()
             then()
             log.debug("%s written %.2f s after the save began", path.name,

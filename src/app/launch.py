@@ -18,6 +18,7 @@ from app.dist import check_host
 from app.results import write_result
 from app.runtime import device_count, resolve_accelerator, select_device, select_device_id
 from app.spawn import spawn
+from app.watchdog import stacks_on_signal
 from app.worker import Rank, run_rank, worker
 from app.worker_logging import setup_rank_logging
 
@@ -95,7 +96,9 @@ def launch(cfg: AppConfig, run_dir: Path) -> float | None:
                 f"address of machine 0, the same on every machine: dist_url=tcp://HOST:PORT")
         url = _free_local_url() if cfg.dist_url == "auto" else cfg.dist_url
         check_host(url)  # before any worker starts
-        return spawn(cfg, run_dir, kind, devices, url)
-    if cfg.device_id is not None:
-        return worker(cfg, run_dir, select_device_id(kind, cfg.device_id, cfg.accelerator))
-    return worker(cfg, run_dir, select_device(kind, 0, cfg.distributed.set_device_rank))
+        with stacks_on_signal(run_dir / "logs" / "launcher.stacks"):  # (kill -s RTMIN+4 PID)
+            return spawn(cfg, run_dir, kind, devices, url)
+    with stacks_on_signal(run_dir / "logs" / "rank0.stacks"):
+        if cfg.device_id is not None:
+            return worker(cfg, run_dir, select_device_id(kind, cfg.device_id, cfg.accelerator))
+        return worker(cfg, run_dir, select_device(kind, 0, cfg.distributed.set_device_rank))

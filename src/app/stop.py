@@ -62,6 +62,7 @@ class StopRequest:
             return
         handler = self._previous[self.requeue_signal]
         self.__exit__(None)
+        watchdog.leave()  # (the wait for Slurm to end this rank is not a stall)
         if dist.rank() == 0:
             handler(self.requeue_signal, None)
         else:

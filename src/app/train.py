@@ -258,8 +258,10 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                 if bar is not None:
                     bar.update()
                 if _every(t.log_every_n_steps, step) or done:
-                    # .item() waits for the device: only on logging steps.
-                    loss_value = dist.all_reduce_mean(loss.detach()).item()
+                    # .item() waits for the device: only on logging steps. With NCCL that is
+                    # where the host waits for a slow rank (app.watchdog.waiting).
+                    with watchdog.waiting():
+                        loss_value = dist.all_reduce_mean(loss.detach()).item()
                     lr = scheduler.get_last_lr()[0]
                     train_metrics = {"loss": loss_value, "lr": lr}
                     callbacks.log(run, step, train_metrics)
@@ -293,7 +295,8 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                 stopping = stop.should_stop()
                 if done or stopping or is_best or _every(t.ckpt_every_n_steps, step) or (
                         epoch_end and _every(t.ckpt_every_n_epochs, epoch)):
-                    losses.flush()  # never a checkpoint of weights a non-finite loss made
+                    with watchdog.waiting():  # (a wait for the device, as above)
+                        losses.flush()  # never a checkpoint of weights a non-finite loss made
                     save(val_metrics, is_best, last=done or stopping)
                 if stopping:
                     stop.requeue()  # when a job system asked for it (submitit on SLURM)

@@ -36,7 +36,8 @@ def _finite_everywhere(loss: torch.Tensor) -> bool:
     bad = (~torch.isfinite(loss)).to(torch.int32)
     if dist.world_size() > 1:
         bad = dist.all_reduce_max(bad)
-    return not bool(bad)
+    with watchdog.waiting():  # a wait for the device, where NCCL waits for the others
+        return not bool(bad)
 
 
 class TrainStep:
@@ -135,7 +136,9 @@ class FiniteLosses:
 
     @staticmethod
     def _raise_unless_finite(finite: torch.Tensor, loss: torch.Tensor, step: int) -> None:
-        if not bool(finite):
+        with watchdog.waiting():  # a wait for the device (a slow rank's, with NCCL)
+            finite_value = bool(finite)
+        if not finite_value:
             raise AppError(
                 f"the training loss was {loss.item()} at step {step}: training stopped, and no "
                 f"checkpoint was written after it. Lower optimizer.lr, check the data, or set "

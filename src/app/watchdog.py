@@ -11,9 +11,20 @@ the job has stalled, and the culprits are the ranks that do not wait in a collec
 whose records stopped coming (stopped by SIGSTOP or a debugger, or stuck without the GIL), or
 whose main thread is outside torch.distributed and the autograd engine (a dead loop, a sleep, a
 deadlock of its own). The first rank to see it writes the verdict to the store; every rank then
-writes its stacks to `logs/rank{N}.stacks` and ends. A stopped rank cannot write: a rank on its
-host sends it the stack-dump signal and then SIGCONT, so that the dump runs (and the woken rank
-ends like the others).
+writes its stacks to `logs/rank{N}.stacks` (a section of its own per verdict, after a header
+with the time and the verdict) and ends. A stopped rank cannot write: a rank on its host sends
+it the stack-dump signal and then SIGCONT, so that the dump runs (and the woken rank ends like
+the others). Once a rank knows the verdict it makes no more progress (`tick()` blocks): no rank
+trains on, validates or writes a checkpoint after the verdict, and a collective that fails
+because another rank ended is reported as the stall (`hold_if_stalled`).
+
+Only training and evaluation are judged, and only after every rank's first step (or batch):
+building the data set, loading a checkpoint and the first step (a compile) are not progress
+that ticks. A rank inside a checkpoint write (`busy()`) makes progress.
+
+Every process of a run writes its stacks on the dump signal (`kill -s RTMIN+4 PID`), watched or
+not (`dump_stacks_to`): a rank to `logs/rank{N}.stacks`, the launcher of spawned workers to
+`logs/launcher.stacks`.
 
 It needs nothing but the process group's store, so it works alike for the workers spawned here,
 under torchrun and as Slurm tasks.
@@ -49,13 +60,55 @@ EXIT_CODE = 1
 
 _ticks = 0
 _waits = 0
+_busy = 0
+_left = False
 _run: Any = None
+_stalled = threading.Event()  # this rank knows the verdict: it makes no more progress
+_dump: TextIO | None = None  # where the dump signal writes this process's stacks
+_watchdog: Watchdog | None = None  # the one running in this process
 
 
 def tick() -> None:
-    """Progress: called by the loop at each step, validation batch and checkpoint phase."""
+    """Progress: called by the loop at each step, validation batch and checkpoint phase. Once a
+    verdict has ended the job, it blocks until the watchdog ends the process: a rank that ran
+    on would log validations and write checkpoints after the verdict."""
     global _ticks
+    if _stalled.is_set():
+        _block()
     _ticks += 1
+
+
+def _block() -> None:
+    while True:  # until the watchdog's thread ends the process (os._exit)
+        time.sleep(3600)
+
+
+def hold_if_stalled(within_s: float = 0.0) -> None:
+    """Called with an error on its way out: when a verdict has ended the job (or comes within
+    `within_s`, as the store thread reads it), the error is the end of another rank (a failed
+    collective): the process waits for the watchdog to report the stall and end it instead."""
+    if _watchdog is None:
+        return
+    if _stalled.wait(within_s):
+        _block()
+
+
+@contextlib.contextmanager
+def busy() -> Iterator[None]:
+    """Marks a phase that makes progress without ticking (a checkpoint's write to disk)."""
+    global _busy
+    _busy += 1
+    try:
+        yield
+    finally:
+        _busy -= 1
+
+
+def leave() -> None:
+    """This rank is about to end (a requeue: rank 0 requeues the job, the others wait for
+    Slurm to end them): the others take it for ended, not stalled."""
+    global _left
+    _left = True
 
 
 def follow(run: Any) -> None:
@@ -66,8 +119,10 @@ def follow(run: Any) -> None:
 
 @contextlib.contextmanager
 def waiting() -> Iterator[None]:
-    """Marks a wait for the other ranks that has no torch.distributed frame of its own (the
-    `wait()` of an asynchronous collective's handle)."""
+    """Marks a wait for the other ranks that has no torch.distributed frame of its own: the
+    `wait()` of an asynchronous collective's handle, and a wait for the device. With NCCL a
+    collective only queues work on the device and returns: the host waits for a slow rank
+    later, at the next sync point of the app's own code (`.item()`, `bool(tensor)`)."""
     global _waits
     _waits += 1
     try:
@@ -82,6 +137,30 @@ def waiting() -> Iterator[None]:
 _WAIT_PATHS = tuple(os.path.join("torch", *parts) for parts in (
     ("distributed", ""), ("nn", "parallel", "distributed.py")))
 _WAIT_FUNCTIONS = {"_engine_run_backward", "run_backward"}
+
+
+@contextlib.contextmanager
+def stacks_on_signal(path: Path) -> Iterator[None]:
+    """While it runs, the dump signal writes this process's stacks to `path` (appended; the
+    file goes at the end when nothing was written). faulthandler's handler runs in C, so it
+    writes even when the main thread is stuck without the GIL. Nested calls keep the first
+    file (a rank's, registered before the process group exists)."""
+    global _dump
+    if _dump is not None or DUMP_SIGNAL is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _dump = open(path, "a")  # noqa: SIM115 (open while the process runs)
+    faulthandler.register(DUMP_SIGNAL, file=_dump, all_threads=True)
+    try:
+        yield
+    finally:
+        faulthandler.unregister(DUMP_SIGNAL)
+        _dump.close()
+        _dump = None
+        with contextlib.suppress(OSError):
+            if path.stat().st_size == 0:
+                path.unlink()
 
 
 def _waits_for_others(frame: Any) -> bool:
@@ -108,17 +187,19 @@ class Peer:
     pid: int | None = None
     waiting: bool = False
     done: bool = False
+    armed: bool = False  # it has done its first step (or batch): judged from then on
 
     def silent(self, now: float, stall_s: float) -> bool:
         return now - self.heard_at >= stall_s
 
     def update(self, record: dict[str, Any], now: float) -> None:
-        if record["ticks"] != self.ticks:
+        if record["ticks"] != self.ticks or record.get("busy"):
             self.moved_at = now
         if record["beat"] != self.beat:
             self.heard_at = now
         for name in ("ticks", "beat", "step", "host", "pid", "waiting", "done"):
             setattr(self, name, record[name])
+        self.armed = record["ticks"] >= 2
 
 
 def judge(peers: list[Peer], now: float, stall_s: float) -> list[Peer] | None:
@@ -129,9 +210,14 @@ def judge(peers: list[Peer], now: float, stall_s: float) -> list[Peer] | None:
     ranks that do not wait for the others: those silent for `stall_s` (not running) and those
     whose main thread is elsewhere. An empty list: every rank waits in a collective (ranks that
     called different collectives, or a rank lost between two of them).
+
+    Nothing is judged until every running rank has done its first step: before it, a rank
+    builds its data set, loads a checkpoint or compiles the model, which take long and tick
+    nothing.
     """
     running = [p for p in peers if not p.done]
-    if not running or any(now - p.moved_at < stall_s for p in running):
+    if not running or not all(p.armed for p in running) or \
+            any(now - p.moved_at < stall_s for p in running):
         return None
     return [p for p in running if p.silent(now, stall_s) or not p.waiting]
 
@@ -139,7 +225,7 @@ def judge(peers: list[Peer], now: float, stall_s: float) -> list[Peer] | None:
 def describe(peers: list[Peer], culprits: list[Peer], now: float, stall_s: float,
              run_dir: Path, waited: str = "while the other ranks waited") -> str:
     """The one line that ends a stalled job. A rank's step is the last one it published (up to
-    a second old); the step the others wait at says where it stopped."""
+    a second old, hence "published"); the step the others wait at says where it stopped."""
     stacks = f"every rank's Python stack is in {run_dir / 'logs'}/rank{{N}}.stacks"
     if not culprits:
         return (f"every rank has waited in a collective for {stall_s:g} s with no progress "
@@ -147,7 +233,7 @@ def describe(peers: list[Peer], culprits: list[Peer], now: float, stall_s: float
                 f"(distributed.stall_timeout_s={stall_s:g}); {stacks}")
     parts = []
     for p in culprits:
-        where = "before its first step" if p.step is None else f"last step {p.step}"
+        where = "before its first step" if p.step is None else f"last published step {p.step}"
         state = ", not running: stopped?" if p.silent(now, stall_s) else ""
         parts.append(f"rank {p.rank} on host {p.host} (pid {p.pid}, {where}{state})")
     steps = sorted({p.step for p in peers if p not in culprits and p.step is not None})
@@ -204,39 +290,36 @@ class Watchdog:
         self.stop_event = threading.Event()
         self.main_ident = threading.main_thread().ident
         self.stacks_path = run_dir / "logs" / f"rank{rank}.stacks"
-        self.stacks: TextIO | None = None
+        self.own_stacks = contextlib.ExitStack()  # (when no file was registered before)
         self.threads = [threading.Thread(target=self._io, name="app-watchdog-store", daemon=True),
                         threading.Thread(target=self._judge, name="app-watchdog", daemon=True)]
 
     # -- start and stop
 
     def start(self) -> Watchdog:
-        self.stacks_path.parent.mkdir(parents=True, exist_ok=True)
-        self.stacks = open(self.stacks_path, "a")  # noqa: SIM115 (open while the rank runs)
-        if DUMP_SIGNAL is not None:
-            faulthandler.register(DUMP_SIGNAL, file=self.stacks, all_threads=True)
+        global _watchdog
+        self.own_stacks.enter_context(stacks_on_signal(self.stacks_path))
+        _watchdog = self
         for thread in self.threads:
             thread.start()
         return self
 
     def stop(self) -> None:
         """A clean end: say so to the others (so that a rank that ended is not taken for a
-        stalled one), and remove the stacks file unless stacks were written."""
+        stalled one)."""
+        global _watchdog
         self.stop_event.set()
         self.threads[0].join(timeout=2 * self.interval + 1)
-        if DUMP_SIGNAL is not None:
-            faulthandler.unregister(DUMP_SIGNAL)
-        if self.stacks is not None:
-            self.stacks.close()
-            if self.stacks_path.stat().st_size == 0:
-                self.stacks_path.unlink(missing_ok=True)
+        _watchdog = None
+        self.own_stacks.close()
 
     # -- the store thread: publish this rank's record, read the others'
 
     def _record(self, beat: int) -> str:
         frame = sys._current_frames().get(self.main_ident)
         return json.dumps({"ticks": _ticks, "beat": beat, "step": getattr(_run, "step", None),
-                           "host": self.host, "pid": self.pid, "done": self.stop_event.is_set(),
+                           "host": self.host, "pid": self.pid, "busy": _busy > 0,
+                           "done": self.stop_event.is_set() or _left,
                            "waiting": _waits_for_others(frame)})
 
     def _io(self) -> None:
@@ -258,6 +341,7 @@ class Watchdog:
                     client.compare_set(VERDICT, "", self.proposal)
                 if client.check([VERDICT]):
                     self.verdict = json.loads(client.get(VERDICT))
+                    _stalled.set()  # from now on this rank makes no progress
                     return  # no more calls: the store may end with its server any moment
                 seen |= {r for r in range(self.world_size)
                          if r not in seen and client.check([keys[r]])}
@@ -296,42 +380,58 @@ class Watchdog:
                 culprits = judge(self.peers, now, self.stall_s)
                 if culprits is not None:
                     self.proposal = json.dumps({
+                        **self._stamp(),
                         "message": describe(self.peers, culprits, now, self.stall_s,
                                             self.run_dir),
                         "wake": [[p.rank, p.host, p.pid] for p in culprits
                                  if p.silent(now, self.stall_s)]})
 
+    def _stamp(self) -> dict[str, str]:
+        """A verdict's id and time, for the headers of the stacks files."""
+        return {"id": f"{time.time():.3f}-r{self.rank}",
+                "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
     def _store_silent(self, now: float) -> dict[str, Any]:
         """The store has not answered for stall_s: its server is stalled (or unreachable)."""
         if self.store_rank is None:
-            return {"message": f"the torchrun agent's store has not answered for "
+            return {**self._stamp(),
+                    "message": f"the torchrun agent's store has not answered for "
                                f"{self.stall_s:g} s: the job was ended", "wake": []}
         server = self.peers[self.store_rank]
         server.heard_at = min(server.heard_at, now - self.stall_s)
-        return {"message": describe(self.peers, [server], now, self.stall_s, self.run_dir,
+        return {**self._stamp(),
+                "message": describe(self.peers, [server], now, self.stall_s, self.run_dir,
                                     "(its store did not answer either) while the others waited"),
                 "wake": [[server.rank, server.host, server.pid]]}
 
     def _end(self, verdict: dict[str, Any]) -> None:
         """Write this rank's stacks, wake stopped ranks of this host to write theirs, end."""
-        assert self.stacks is not None
-        if self.stacks_path.stat().st_size == 0:  # (a woken rank has written them already)
-            self.stacks.write(f"rank {self.rank} (pid {self.pid}, host {self.host}): "
-                              f"{verdict['message']}\n\n")
-            self.stacks.flush()
-            faulthandler.dump_traceback(file=self.stacks, all_threads=True)
+        _stalled.set()
+        if _header(verdict, self.rank) not in _read(self.stacks_path):  # (woken: written)
+            with open(self.stacks_path, "a") as f:
+                f.write(_header(verdict, self.rank) + f" (pid {self.pid}, host {self.host})\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
         # The lowest rank of this host that is not to be woken itself wakes those of this host.
         stopped = {rank for rank, _, _ in verdict["wake"]}
         helpers = [p.rank for p in self.peers if p.host == self.host and p.rank not in stopped]
         woken = [(rank, pid) for rank, host, pid in verdict["wake"]
                  if host == self.host and pid is not None and helpers
                  and self.rank == min(helpers)]
-        for _, pid in woken:
-            _wake_to_dump(pid)
-        deadline = time.monotonic() + 5
-        for rank, _ in woken:  # its stacks are written once it runs
+        sizes = {}
+        for rank, pid in woken:  # the header first: the woken rank's handler appends to it
             path = self.run_dir / "logs" / f"rank{rank}.stacks"
-            while time.monotonic() < deadline and not (path.is_file() and path.stat().st_size):
+            if _stopped(pid):
+                with contextlib.suppress(OSError), open(path, "a") as f:
+                    f.write(_header(verdict, rank) + f" (pid {pid}, stopped: written when "
+                            f"rank {self.rank} woke it)\n")
+                sizes[rank] = path.stat().st_size if path.is_file() else 0
+                _wake_to_dump(pid)
+        deadline = time.monotonic() + 5
+        for rank, size in sizes.items():  # its stacks are written once it runs
+            path = self.run_dir / "logs" / f"rank{rank}.stacks"
+            while time.monotonic() < deadline and not (path.is_file()
+                                                       and path.stat().st_size > size):
                 time.sleep(0.05)
         try:
             self.on_stall(verdict["message"])
@@ -370,15 +470,32 @@ def _running(pid: int) -> bool:
         return True
 
 
+def _header(verdict: dict[str, Any], rank: int) -> str:
+    """The line that opens a verdict's section of a rank's stacks file (one per verdict: a
+    file kept from an earlier stall, or a dump asked for by hand, stays above it)."""
+    return (f"=== {verdict.get('time', '?')} verdict {verdict.get('id', '?')}, rank {rank}: "
+            f"{verdict['message']}")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 def _wake_to_dump(pid: int) -> None:
     """Ask a stopped process of this job for its stacks: the dump signal waits until SIGCONT
     lets the process run, and faulthandler's handler writes them at once. Only a process that
     is stopped now is signalled: a rank that has ended may have left its pid to another."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return
-    if DUMP_SIGNAL is None or state != "T":
+    if DUMP_SIGNAL is None or not _stopped(pid):
         return
     try:
         os.kill(pid, DUMP_SIGNAL)

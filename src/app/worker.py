@@ -71,21 +71,28 @@ def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank,
         share_cpu_threads(me.local_world_size)
     device = select_device(kind, me.local_rank, cfg.distributed.set_device_rank)
     os.environ.update(cfg.distributed.nccl_env)  # opt-in NCCL_* settings, before NCCL starts
-    dist.init(backend_for(kind, cfg.distributed.backend), me.url, me.rank, me.world_size,
-              me.local_rank, me.local_world_size, cfg.distributed.timeout_s)
-    guard = watchdog.start(cfg.distributed.stall_timeout_s, run_dir, me.rank, me.world_size,
-                           on_stall)
-    previous = None
-    try:
-        result = worker(cfg, run_dir, device)
-        previous = _ignore_stop_signals()
-        return result
-    finally:
-        if guard is not None:
-            guard.stop()
-        dist.destroy()
-        for sig, handler in (previous or {}).items():
-            signal.signal(sig, handler)
+    with watchdog.stacks_on_signal(run_dir / "logs" / f"rank{me.rank}.stacks"):
+        dist.init(backend_for(kind, cfg.distributed.backend), me.url, me.rank, me.world_size,
+                  me.local_rank, me.local_world_size, cfg.distributed.timeout_s)
+        # Only training and evaluation tick; predict and export would look stalled.
+        judged = cfg.trainer.mode in (Mode.trainval, Mode.eval)
+        guard = watchdog.start(cfg.distributed.stall_timeout_s if judged else None, run_dir,
+                               me.rank, me.world_size, on_stall)
+        previous = None
+        try:
+            result = worker(cfg, run_dir, device)
+            previous = _ignore_stop_signals()
+            return result
+        except Exception as e:
+            if guard is not None:  # a collective failed as a stalled job ended: the stall
+                watchdog.hold_if_stalled(0 if isinstance(e, AppError) else 2 * guard.interval + 1)
+            raise
+        finally:
+            if guard is not None:
+                guard.stop()
+            dist.destroy()
+            for sig, handler in (previous or {}).items():
+                signal.signal(sig, handler)
 
 
 def _ignore_stop_signals() -> dict[int, Any]:
