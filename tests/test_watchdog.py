@@ -265,3 +265,26 @@ def test_a_stopped_rank_under_torchrun_ends_the_job_at_once_in_one_line(tmp_path
     assert max(steps) <= stopped_at + 1, (stopped_at, steps)
     saved = [int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*.pt")]
     assert max(saved) <= stopped_at + 1, (stopped_at, saved)
+
+
+def test_every_process_of_a_run_writes_its_stacks_on_the_dump_signal(tmp_path) -> None:
+    """`kill -s RTMIN+4 PID` writes stacks (and ends nothing) in the launcher and in a rank
+    that no watchdog watches (stall_timeout_s=null)."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "trainer.max_epochs=400", "distributed.stall_timeout_s=null")
+    try:
+        wait_for_rows(run_dir, 10)
+        rank1 = _pid_of_rank(run_dir, 1)
+        for pid in (proc.pid, rank1):
+            os.kill(pid, watchdog.DUMP_SIGNAL)
+        rows = len(read_metrics(run_dir))
+        wait_for_rows(run_dir, rows + 5)  # still training, every process alive
+        assert proc.poll() is None and alive(rank1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
+    for name, where in (("launcher", "spawn.py"), ("rank1", "train.py")):
+        stacks = (run_dir / "logs" / f"{name}.stacks").read_text()
+        assert "most recent call first" in stacks and where in stacks, stacks
+    assert not (run_dir / "logs" / "rank0.stacks").exists()  # (no dump: no file)
