@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from app.run_lock import RunDirInUse, RunLock
+from app.run_lock import RunDirInUse, RunLock, hold_as_worker
 from conftest import REPO, TINY, read_metrics, run_app, wait_for_rows
 
 
@@ -26,6 +26,66 @@ def test_a_second_lock_on_a_run_directory_names_the_holder(tmp_path) -> None:
     second.acquire()  # free again once released
     assert second.held
     second.release()
+
+
+def _forked(work) -> tuple[int, int]:
+    """A forked child that runs `work`, says so, and lives until its pipe is closed: (pid, the
+    pipe's write end, to close)."""
+    ready_r, ready_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the child: no pytest past this point)
+        try:
+            os.close(stop_w)
+            os.close(ready_r)
+            work()
+            os.write(ready_w, b"x")
+            os.read(stop_r, 1)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(stop_r)
+    assert os.read(ready_r, 1) == b"x"
+    os.close(ready_r)
+    return pid, stop_w
+
+
+def _end(child: tuple[int, int]) -> None:
+    os.close(child[1])
+    os.waitpid(child[0], 0)
+
+
+def test_a_forked_child_does_not_keep_the_run_lock(tmp_path) -> None:
+    # A DataLoader worker, a fork-started rank: it must not hold the lock once its owner died.
+    owner = RunLock(tmp_path)
+    owner.acquire()
+    child = _forked(lambda: None)
+    try:
+        owner.release()  # (the owner dies)
+        after = RunLock(tmp_path)
+        after.acquire(wait_s=0)  # the child alive, the lock free
+        after.release()
+    finally:
+        _end(child)
+
+
+def test_a_new_owner_waits_for_the_workers_of_the_previous_command(tmp_path) -> None:
+    # Workers outlive their killed launcher by their stop checkpoint, and write meanwhile.
+    child = _forked(lambda: hold_as_worker(tmp_path))
+    try:
+        with pytest.raises(RunDirInUse, match=f"still written by the workers of a previous "
+                                              f"command \\(pid {child[0]} on "):
+            RunLock(tmp_path).acquire(workers_wait_s=0.2)
+        threading.Timer(0.5, _end, (child,)).start()  # the worker saves and ends
+        owner = RunLock(tmp_path)
+        owner.acquire()  # waits for it
+        owner.release()
+    finally:
+        if child[1] >= 0:
+            try:
+                _end(child)
+            except OSError:
+                pass  # (ended by the timer)
 
 
 def test_a_requeued_slurm_job_waits_for_the_lock_of_its_previous_run(tmp_path,

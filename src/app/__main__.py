@@ -20,7 +20,7 @@ from app.compose_errors import explain_composition_errors
 from app.config import AppError, register_schemas, to_app_config
 from app.resolvers import register_resolvers
 from app.results import write_result
-from app.run_lock import RunDirInUse, RunLock
+from app.run_lock import RunDirInUse, owns_run, take
 from app.runtime import reproducible_matmuls
 from app.spawn import prestart
 
@@ -42,14 +42,17 @@ warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigSto
 def main(dict_cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     started = time.monotonic()
-    # One process records how the job ended: the launcher, or rank 0 of a torchrun/SLURM job.
     rank_env = detect(os.environ)
-    record = rank_env is None or rank_env.rank == 0
-    lock = RunLock(run_dir)  # one command per run directory: that same process holds it
+    # One process owns the run, holds its lock and records how it ended: machine 0's launcher
+    # (the other machines of a nodes=N run share its directory), or rank 0 of a
+    # torchrun/SLURM job.
+    record = owns_run(dict_cfg.get("machine_rank", 0))
+    lock = None
     try:
-        # (machine 0's launcher only: the other machines of a nodes=N run share its directory)
-        if record and dict_cfg.get("machine_rank", 0) == 0:
-            lock.acquire()  # RunDirInUse (naming the holder) before anything is written
+        if record:
+            # Taken already, before Hydra wrote into the run directory (app.summary's hooks):
+            # RunDirInUse, naming the holder, if another command owns it.
+            lock = take(run_dir)
         # Convert at the boundary: below here code sees plain, resolved, typed objects.
         cfg = to_app_config(dict_cfg)
         prestart(cfg)  # a worker server imports torch while this process does the same
@@ -66,10 +69,14 @@ def main(dict_cfg: DictConfig) -> float | None:
             first_line = (str(e).strip().splitlines() or [""])[0]
             write_result(run_dir, status, time.monotonic() - started,
                          f"{type(e).__name__}: {first_line}", raise_errors=False)
-        lock.release()
+        if lock is not None:
+            lock.release()
         interrupted = isinstance(e, AppError) and e.exit_code > 128
+        # A refused job of a submitit sweep fails its task (the job must not pass as done,
+        # and the run directory's records are the other command's).
+        refused_job = isinstance(e, RunDirInUse) and "SUBMITIT_EXECUTOR" in os.environ
         if HydraConfig.get().mode == RunMode.MULTIRUN and rank_env is None and \
-                isinstance(e, Exception) and not interrupted:
+                isinstance(e, Exception) and not interrupted and not refused_job:
             # A failed job of a sweep is a row of its summary, not the end of the sweep: the
             # other jobs still run, and the sweep's end reports the failures (app.summary).
             # NaN is what sweepers such as Optuna take for a failed trial.
@@ -82,9 +89,10 @@ def main(dict_cfg: DictConfig) -> float | None:
             raise
         log.error("%s", e)
         if HydraConfig.get().mode == RunMode.MULTIRUN and not interrupted:
-            raise  # a rank of a SLURM/torchrun job: its task must fail
+            raise  # a rank of a SLURM/torchrun job, a refused submitit job: its task must fail
         sys.exit(e.exit_code)  # a signal stops a whole sweep too; a re-run resumes it
-    lock.release()
+    if lock is not None:
+        lock.release()
     return result
 
 

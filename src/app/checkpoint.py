@@ -36,7 +36,7 @@ def _fsync_dir(path: Path) -> None:
 def save(state: dict[str, Any], path: Path) -> None:
     """Write `state` to `path` atomically: temporary file, flush, fsync, rename. On failure
     (a full or read-only disk) the temporary file is removed and the error raised."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # (prune: `.*.tmp`)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
@@ -59,7 +59,7 @@ def save(state: dict[str, Any], path: Path) -> None:
 
 def link(source: Path, name: Path) -> None:
     """Give the file `source` a second name, replacing whatever had that name, atomically."""
-    tmp = name.with_name(f".{name.name}.tmp")
+    tmp = name.with_name(f".{name.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     try:
         os.link(source, tmp)

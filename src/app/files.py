@@ -25,8 +25,10 @@ def write_failed(path: Path, e: OSError) -> WriteFailed:
 
 
 def write_text_atomically(path: Path, text: str) -> None:
-    """Write `text` aside and rename it into place: readers see the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Write `text` aside and rename it into place: readers see the old file or the new one.
+    The temporary name is this process's own: two processes that write the same file (the
+    launchers of a nodes=N run on a shared directory) must not rename each other's."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     began = False
     try:
         with open(tmp, "w", newline="") as f:

@@ -25,6 +25,7 @@ from app.cluster_env import detect
 from app.curves import draw_curves
 from app.plots import draw_summary
 from app.results import RESULT, run_summary
+from app.run_lock import claim_for_job, claim_for_run, refused
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +158,19 @@ class SweepSummary(Callback):
     """Hydra callback: mark each attempt of a job in its train.log; keep the sweep's table
     current after each job; print it at the end."""
 
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Before Hydra writes .hydra/ and opens train.log: a refused command writes nothing.
+        claim_for_run(config)
+
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         rank_env = detect(os.environ)
         if rank_env is not None and rank_env.rank != 0:
             return  # (every task of a SLURM job starts with Hydra's train.log handler)
+        # A job of a sweep takes the run's lock here (a single run did in on_run_start):
+        # refused, it marks nothing in the other command's train.log.
+        if config.hydra.mode == RunMode.MULTIRUN and not claim_for_job(
+                Path(config.hydra.runtime.output_dir), config.get("machine_rank", 0)):
+            return
         # To the log files only: a console has no use for it.
         record = logging.LogRecord(__name__, logging.INFO, __file__, 0, "%s: pid %d",
                                    (ATTEMPT, os.getpid()), None)
@@ -174,7 +184,8 @@ class SweepSummary(Callback):
             return
         run_dir = Path(config.hydra.runtime.output_dir)
         summary = job_summary(run_dir)
-        if summary["status"] != "completed":  # training draws the curves only at its end
+        # Training draws the curves only at its end; a refused job's run is another command's.
+        if summary["status"] != "completed" and not refused(run_dir):
             draw_curves(run_dir, note=curves_note(summary))
         if config.hydra.mode == RunMode.MULTIRUN:
             # Without the picture: drawing after every job would cost more than the table.

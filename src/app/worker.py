@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from app import dist, watchdog
 from app.config import AppConfig, AppError, Mode
 from app.data_errors import loader_worker_died
+from app.run_lock import hold_as_worker
 from app.runtime import apply_runtime_flags, backend_for, select_device, share_cpu_threads
 from app.worker_logging import FAILURE_LOGGER, setup_rank_logging
 
@@ -134,6 +135,8 @@ def _write_report(report: Path, name: str, **record: object) -> None:
 def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, kind: str, devices: int,
                    url: str, report_dir: str, launcher_alive: Connection) -> None:
     """The target of each local worker process."""
+    if cfg.machine_rank == 0:  # (the workers of the machine whose launcher owns the run)
+        hold_as_worker(run_dir)  # no new owner of the run until this worker has ended
     _die_with_launcher(launcher_alive)
     me = Rank(cfg.machine_rank * devices + local_rank, devices * cfg.nodes, local_rank,
               devices, url)

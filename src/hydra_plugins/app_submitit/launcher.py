@@ -249,10 +249,11 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
     def _record_end(self, num: int, status: str, error: str) -> None:
         """Record in the run directory how Slurm ended the job, for the sweep's summary (which
         lists run directories and fails the command for every job not completed): a task that
-        was killed wrote nothing, and a job cancelled while queued has no directory yet."""
+        was killed wrote nothing, and a job cancelled while queued has no directory yet. A
+        final record the job's rank 0 wrote itself (it may be writing it now) is left alone."""
         import json
-        import os
 
+        from app.files import write_text_atomically
         from app.results import RESULT
 
         run_dir = self._run_dir(num)
@@ -261,11 +262,14 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         if not overrides.exists():
             OmegaConf.save(self.composed[num].hydra.overrides.task, overrides)
         record = run_dir / RESULT
-        earlier = json.loads(record.read_text()) if record.is_file() else {}
-        tmp = run_dir / f".{RESULT}.tmp"
-        tmp.write_text(json.dumps({"status": status, "wall_s": earlier.get("wall_s"),
-                                   "error": error}, indent=2) + "\n")
-        os.replace(tmp, record)
+        try:
+            earlier = json.loads(record.read_text()) if record.is_file() else {}
+        except (OSError, ValueError):
+            earlier = {}
+        if earlier.get("status") not in (None, "running"):
+            return
+        write_text_atomically(record, json.dumps({"status": status, "wall_s": earlier.get(
+            "wall_s"), "error": error}, indent=2) + "\n")
 
 
 class AppSlurmLauncher(_AppSubmititLauncher):
