@@ -109,11 +109,16 @@ def test_two_commands_on_one_run_directory_the_second_is_refused_and_writes_noth
     try:
         wait_for_rows(run_dir, 3)  # the first one trains
         assert first.poll() is None
-        second = run_app(run_dir, *args)
+        hydra_files = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
+        second = run_app(run_dir, *args, "seed=7")
         assert second.returncode == 2, second.output[-3000:]
         assert "Traceback" not in second.output
         assert f"is in use by another command (pid {first.pid} on" in second.output
         assert not (run_dir / "result.json").exists()  # nothing recorded for the first one
+        # The first one's record of its config is intact, and its log has no line of ours.
+        assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == hydra_files
+        log = (run_dir / "train.log").read_text()
+        assert log.count("attempt started") == 1 and "in use by another" not in log
     finally:
         first.send_signal(signal.SIGKILL)  # the lock dies with its holder
         first.wait()
