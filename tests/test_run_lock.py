@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from app.run_lock import RunDirInUse, RunLock, hold_as_worker
-from conftest import REPO, TINY, read_metrics, run_app, wait_for_rows
+from conftest import REPO, TINY, multirun, read_metrics, run_app, wait_for_rows
 
 
 def test_a_second_lock_on_a_run_directory_names_the_holder(tmp_path) -> None:
@@ -128,3 +128,22 @@ def test_two_commands_on_one_run_directory_the_second_is_refused_and_writes_noth
     after = RunLock(run_dir)
     after.acquire()  # free again: no stale lock after a SIGKILL
     after.release()
+
+
+def test_a_refused_submitit_job_fails_its_task_and_leaves_the_run_alone(tmp_path) -> None:
+    run_dir = tmp_path / "sweep" / "0"
+    holder = RunLock(run_dir)  # another command runs there, and has recorded its end
+    holder.acquire()
+    record = b'{"status": "completed", "wall_s": 1.0, "error": null}\n'
+    (run_dir / "result.json").write_bytes(record)
+    try:
+        proc, jobs = multirun(tmp_path, "hydra/launcher=submitit_local", *TINY)
+    finally:
+        holder.release()
+    output = proc.stdout + proc.stderr
+    # Before: the job returned NaN, its task exited 0, and the other's record passed it.
+    assert "job #0" in output and "in use by another command" in output, output[-3000:]
+    assert "failed" in output
+    assert (run_dir / "result.json").read_bytes() == record
+    assert not (run_dir / "train.log").exists() or "attempt started" not in (
+        run_dir / "train.log").read_text()
