@@ -139,3 +139,23 @@ def test_a_result_json_that_cannot_be_written_ends_the_command_in_one_line(tmp_p
     assert "Traceback" not in result.output and "During handling" not in result.output
     assert "result.json could not be written" in result.output
     assert not list(run_dir.glob(".*.tmp"))
+
+
+def test_a_full_disk_at_pictures_and_predictions_is_one_line_and_leaves_no_partial_file(
+        tmp_path, full_disk) -> None:
+    from app.curves import draw_curves
+    from app.predict import save_grid
+
+    (tmp_path / "metrics.csv").write_text("step,epoch,split,loss,lr,acc\n1,0,train,2.3,0.1,\n"
+                                          "2,0,val,2.2,,0.3\n")
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "curves.png").write_bytes(b"previous")
+    with pytest.raises(WriteFailed) as error:
+        draw_curves(tmp_path)
+    _one_line(error.value, tmp_path / "plots" / "curves.png")
+    assert (tmp_path / "plots" / "curves.png").read_bytes() == b"previous"
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["curves.png"]
+    with pytest.raises(WriteFailed) as error:
+        save_grid(torch.zeros(2, 1, 8, 8), [1, 2], None, "grid", tmp_path / "predictions.png")
+    _one_line(error.value, tmp_path / "predictions.png")
+    assert not list(tmp_path.glob("*predictions.png*"))

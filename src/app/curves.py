@@ -8,12 +8,14 @@ Pillow has no axes of its own: `layout` chooses them (round, distinct ticks; acc
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
+from app.files import write_bytes_atomically
 from app.results import read_metrics
 
 WIDTH, HEIGHT = 1100, 460
@@ -223,5 +225,7 @@ def draw_curves(run_dir: Path, note: str | None = None) -> Path | None:
         draw.text((WIDTH / 2, 28), note, fill=(200, 30, 30), font=font, anchor="mm")
     out = run_dir / "plots" / "curves.png"
     out.parent.mkdir(exist_ok=True)
-    image.save(out)
+    picture = io.BytesIO()
+    image.save(picture, format="PNG")
+    write_bytes_atomically(out, picture.getvalue())
     return out

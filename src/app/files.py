@@ -28,12 +28,17 @@ def write_text_atomically(path: Path, text: str) -> None:
     """Write `text` aside and rename it into place: readers see the old file or the new one.
     The temporary name is this process's own: two processes that write the same file (the
     launchers of a nodes=N run on a shared directory) must not rename each other's."""
+    write_bytes_atomically(path, text.encode())
+
+
+def write_bytes_atomically(path: Path, data: bytes) -> None:
+    """`write_text_atomically` for bytes (a picture drawn into memory first)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     began = False
     try:
-        with open(tmp, "w", newline="") as f:
+        with open(tmp, "wb") as f:
             began = True
-            f.write(text)
+            f.write(data)
         os.replace(tmp, path)
     except OSError as e:
         if began:

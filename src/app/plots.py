@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Any
+
+from app.files import write_bytes_atomically
 
 
 def _pyplot() -> Any:
@@ -78,6 +81,8 @@ def draw_summary(sweep_dir: Path, jobs: list[dict[str, Any]], monitor: str) -> P
     fig.suptitle(str(sweep_dir), fontsize=9)
     fig.tight_layout()
     out = sweep_dir / "summary.png"
-    fig.savefig(out, dpi=100)
+    picture = io.BytesIO()
+    fig.savefig(picture, format="png", dpi=100)
     plt.close(fig)
+    write_bytes_atomically(out, picture.getvalue())
     return out

@@ -8,6 +8,7 @@ grey (or RGB for 3-channel models), resized to the model's input and scaled to 0
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from app.build import build_data, build_trained_model
 from app.config import AppConfig, UserError
 from app.data import DataModule
+from app.files import write_bytes_atomically, write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +120,11 @@ def save_grid(
     # The title and each cell's labels also go into the PNG's text fields, for tools to read.
     cells = [f"pred {p}" + ("" if labels is None else f" / true {labels[i]}")
              for i, p in enumerate(preds)]
-    fig.savefig(path, dpi=100, metadata={"Title": title, "Description": "; ".join(cells)})
+    picture = io.BytesIO()
+    fig.savefig(picture, format="png", dpi=100,
+                metadata={"Title": title, "Description": "; ".join(cells)})
     plt.close(fig)
+    write_bytes_atomically(path, picture.getvalue())
 
 
 @torch.no_grad()
@@ -131,12 +136,13 @@ def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | 
     probs = torch.cat([
         model(batch.to(device)).softmax(1).cpu() for batch in x.split(data.val_batch_size)])
     confidence, preds = probs.max(1)
-    with open(run_dir / "predictions.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["index", "input", "pred", "confidence", "label"])
-        for i, name in enumerate(names):
-            label = "" if y is None else int(y[i])
-            writer.writerow([i, name, int(preds[i]), f"{confidence[i]:.6f}", label])
+    table = io.StringIO(newline="")
+    writer = csv.writer(table)
+    writer.writerow(["index", "input", "pred", "confidence", "label"])
+    for i, name in enumerate(names):
+        label = "" if y is None else int(y[i])
+        writer.writerow([i, name, int(preds[i]), f"{confidence[i]:.6f}", label])
+    write_text_atomically(run_dir / "predictions.csv", table.getvalue())
     shown = min(cfg.trainer.num_show, len(x))
     labels = None if y is None else y[:shown].tolist()
     accuracy = None if y is None else (preds == y).double().mean().item()
