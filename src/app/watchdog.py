@@ -213,10 +213,11 @@ def judge(peers: list[Peer], now: float, stall_s: float) -> list[Peer] | None:
 
     Nothing is judged until every running rank has done its first step: before it, a rank
     builds its data set, loads a checkpoint or compiles the model, which take long and tick
-    nothing.
+    nothing. A silent rank is the exception: its last record may predate its first step
+    (one is published about once a second), and whatever it does, it does not run.
     """
     running = [p for p in peers if not p.done]
-    if not running or not all(p.armed for p in running) or \
+    if not running or not all(p.armed or p.silent(now, stall_s) for p in running) or \
             any(now - p.moved_at < stall_s for p in running):
         return None
     return [p for p in running if p.silent(now, stall_s) or not p.waiting]
