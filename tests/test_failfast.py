@@ -126,8 +126,10 @@ def test_a_stop_that_a_stopped_rank_blocks_says_that_no_checkpoint_was_saved(tmp
         run_dir, "distributed.stall_timeout_s=null", "distributed.timeout_s=10")
     assert code == 128 + signal.SIGTERM, output[-3000:]
     assert sorted((run_dir / "checkpoints").glob("step-*.pt")) == before  # none written
-    assert "stopped by SIGTERM, but no checkpoint was saved at the stop (rank(s) 1 did not " \
-           "stop" in output, output[-3000:]
+    # (Rank 0 fails its collective at timeout_s and reports it; under heavy load it may not
+    # before the launcher's deadline, and is then named too.)
+    assert re.search(r"stopped by SIGTERM, but no checkpoint was saved at the stop "
+                     r"\(rank\(s\) (0, )?1 did not stop", output), output[-3000:]
     assert f"the last checkpoint is checkpoints/{before[-1].name}" in output
     assert "saved a checkpoint" not in output
 

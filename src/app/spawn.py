@@ -316,9 +316,11 @@ def _watch(cfg: AppConfig, procs: list, pids: list[_Pid], signals: _ParentSignal
             asked_at = now
             for i in running():
                 pids[i].send(signal.SIGTERM)  # workers checkpoint, then stop
+        # After a stop request, a rank held in a collective fails it at timeout_s; the grace
+        # after that lets it report so, rather than be killed at the same moment.
         overdue = (failed_at is not None and now - failed_at > grace) or (
             asked_at is not None and (len(signals.received) > 1 or
-                                      now - asked_at > cfg.distributed.timeout_s))
+                                      now - asked_at > cfg.distributed.timeout_s + grace))
         if overdue:
             for i in running():
                 killed.add(i)
