@@ -26,7 +26,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, read_write
 
@@ -91,29 +93,21 @@ class RunLock:
                 "", "0") else 0.0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         file = _open(self.path)
-        deadline, waiting = time.monotonic() + wait_s, False
-        while True:
-            try:
-                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = _holder(file)
-                    file.close()
-                    raise RunDirInUse(
-                        f"hydra.run.dir={self.path.parent} is in use by another command "
-                        f"({holder}): wait for it to end, or give this command another "
-                        f"hydra.run.dir") from None
-                if not waiting:
-                    log.info("waiting up to %.0f s for %s (%s)", wait_s, self.path,
-                             _holder(file))
-                    waiting = True
-                time.sleep(1.0)
-            except OSError as e:  # a file system without locks (some network mounts)
-                log.warning("cannot lock %s (%s): a second command on this run directory "
-                            "would not be detected", self.path, e.strerror or e)
-                file.close()
-                return
+        try:
+            locked = _lock_within(file, wait_s, 1.0, lambda: log.info(
+                "waiting up to %.0f s for %s (%s)", wait_s, self.path, _holder(file)))
+        except OSError as e:  # a file system without locks (some network mounts)
+            log.warning("cannot lock %s (%s): a second command on this run directory "
+                        "would not be detected", self.path, e.strerror or e)
+            file.close()
+            return
+        if not locked:
+            holder = _holder(file)
+            file.close()
+            raise RunDirInUse(
+                f"hydra.run.dir={self.path.parent} is in use by another command "
+                f"({holder}): wait for it to end, or give this command another "
+                f"hydra.run.dir")
         _held.append(file)
         try:
             _wait_for_workers(self.path.with_name(WORKERS_LOCK_NAME), workers_wait_s)
@@ -139,28 +133,37 @@ def _wait_for_workers(path: Path, wait_s: float) -> None:
     raise RunDirInUse naming them."""
     file = _open(path)
     try:
-        deadline, waiting = time.monotonic() + wait_s, False
-        while True:
-            try:
-                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                holders = _holders(file)
-                if time.monotonic() >= deadline:
-                    raise RunDirInUse(
-                        f"hydra.run.dir={path.parent} is still written by the workers of a "
-                        f"previous command ({holders}): wait for them to end (or stop them), "
-                        f"or give this command another hydra.run.dir") from None
-                if not waiting:
-                    log.info("waiting up to %.0f s for the workers of the previous command "
-                             "(%s) to save and end", wait_s, holders)
-                    waiting = True
-                time.sleep(0.2)
-            except OSError:
-                return  # (no locks on this file system: warned about already)
+        try:
+            locked = _lock_within(file, wait_s, 0.2, lambda: log.info(
+                "waiting up to %.0f s for the workers of the previous command (%s) to save "
+                "and end", wait_s, _holders(file)))
+        except OSError:
+            return  # (no locks on this file system: warned about already)
+        if not locked:
+            raise RunDirInUse(
+                f"hydra.run.dir={path.parent} is still written by the workers of a "
+                f"previous command ({_holders(file)}): wait for them to end (or stop them), "
+                f"or give this command another hydra.run.dir")
         file.truncate(0)  # the lines of earlier workers; ours append theirs
     finally:
         file.close()
+
+
+def _lock_within(file: Any, wait_s: float, poll_s: float, on_wait: Callable[[], None]) -> bool:
+    """Take an exclusive flock on `file` within `wait_s`, calling `on_wait` once if it has to
+    wait; False when it is still held by another at the deadline. OSError: no locks here."""
+    deadline, waited = time.monotonic() + wait_s, False
+    while True:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            if not waited:
+                on_wait()
+                waited = True
+            time.sleep(poll_s)
 
 
 def hold_as_worker(run_dir: Path) -> None:
