@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from app import watchdog
+from app import stacks, watchdog
+from app.stacks import DUMP_SIGNAL
 from app.watchdog import Peer, describe, judge
 from conftest import HELPERS, REPO, TINY, alive, read_metrics, wait_for_rows, worker_pids
 
@@ -129,7 +130,7 @@ def test_each_verdict_writes_a_section_of_its_own(tmp_path, monkeypatch) -> None
     monkeypatch.setattr(watchdog.os, "_exit", lambda code: sys.exit(code))
     stalls = []
     dog = watchdog.Watchdog(1, 2, 0.5, tmp_path, stalls.append)
-    with watchdog.stacks_on_signal(path):
+    with stacks.stacks_on_signal(path):
         for message in ("first stall", "second stall"):
             try:
                 dog._end({"id": message, "time": "now", "message": message, "wake": []})
@@ -278,7 +279,7 @@ def test_every_process_of_a_run_writes_its_stacks_on_the_dump_signal(tmp_path) -
         wait_for_rows(run_dir, 10)
         rank1 = _pid_of_rank(run_dir, 1)
         for pid in (proc.pid, rank1):
-            os.kill(pid, watchdog.DUMP_SIGNAL)
+            os.kill(pid, DUMP_SIGNAL)
         rows = len(read_metrics(run_dir))
         wait_for_rows(run_dir, rows + 5)  # still training, every process alive
         assert proc.poll() is None and alive(rank1)

@@ -18,7 +18,7 @@ from app.dist import check_host
 from app.results import write_result
 from app.runtime import device_count, resolve_accelerator, select_device, select_device_id
 from app.spawn import spawn
-from app.watchdog import stacks_on_signal
+from app.stacks import stacks_on_signal
 from app.worker import Rank, run_rank, worker
 from app.worker_logging import setup_rank_logging
 

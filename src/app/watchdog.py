@@ -37,7 +37,6 @@ import faulthandler
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -46,13 +45,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
+
+from app.stacks import is_stopped, running, stacks_on_signal, wake_to_dump
 
 log = logging.getLogger(__name__)
 
-# The stack-dump signal: not SIGUSR1/SIGUSR2 (Slurm and submitit use them to ask for a requeue),
-# not SIGWINCH (every terminal resize), but a real-time signal, which no job system sends.
-DUMP_SIGNAL: int | None = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None
 KEY = "app/watchdog/"
 VERDICT = KEY + "verdict"
 STORE_TIMEOUT_S = 30.0  # a store call that takes longer fails (the judge looks at the clock)
@@ -64,7 +62,6 @@ _busy = 0
 _left = False
 _run: Any = None
 _stalled = threading.Event()  # this rank knows the verdict: it makes no more progress
-_dump: TextIO | None = None  # where the dump signal writes this process's stacks
 _watchdog: Watchdog | None = None  # the one running in this process
 
 
@@ -137,30 +134,6 @@ def waiting() -> Iterator[None]:
 _WAIT_PATHS = tuple(os.path.join("torch", *parts) for parts in (
     ("distributed", ""), ("nn", "parallel", "distributed.py")))
 _WAIT_FUNCTIONS = {"_engine_run_backward", "run_backward"}
-
-
-@contextlib.contextmanager
-def stacks_on_signal(path: Path) -> Iterator[None]:
-    """While it runs, the dump signal writes this process's stacks to `path` (appended; the
-    file goes at the end when nothing was written). faulthandler's handler runs in C, so it
-    writes even when the main thread is stuck without the GIL. Nested calls keep the first
-    file (a rank's, registered before the process group exists)."""
-    global _dump
-    if _dump is not None or DUMP_SIGNAL is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _dump = open(path, "a")  # noqa: SIM115 (open while the process runs)
-    faulthandler.register(DUMP_SIGNAL, file=_dump, all_threads=True)
-    try:
-        yield
-    finally:
-        faulthandler.unregister(DUMP_SIGNAL)
-        _dump.close()
-        _dump = None
-        with contextlib.suppress(OSError):
-            if path.stat().st_size == 0:
-                path.unlink()
 
 
 def _waits_for_others(frame: Any) -> bool:
@@ -422,12 +395,12 @@ class Watchdog:
         sizes = {}
         for rank, pid in woken:  # the header first: the woken rank's handler appends to it
             path = self.run_dir / "logs" / f"rank{rank}.stacks"
-            if _stopped(pid):
+            if is_stopped(pid):
                 with contextlib.suppress(OSError), open(path, "a") as f:
                     f.write(_header(verdict, rank) + f" (pid {pid}, stopped: written when "
                             f"rank {self.rank} woke it)\n")
                 sizes[rank] = path.stat().st_size if path.is_file() else 0
-                _wake_to_dump(pid)
+                wake_to_dump(pid)
         deadline = time.monotonic() + 5
         for rank, size in sizes.items():  # its stacks are written once it runs
             path = self.run_dir / "logs" / f"rank{rank}.stacks"
@@ -454,21 +427,8 @@ class Watchdog:
         others = [p.pid for p in self.peers if p.rank != self.rank and p.pid is not None
                   and p.host == self.host]
         elsewhere = len(others) < self.world_size - 1
-        while time.monotonic() < deadline and (elsewhere or any(_running(p) for p in others)):
+        while time.monotonic() < deadline and (elsewhere or any(running(p) for p in others)):
             time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an ended child not yet reaped is a zombie: ended
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _header(verdict: dict[str, Any], rank: int) -> str:
@@ -483,26 +443,6 @@ def _read(path: Path) -> str:
         return path.read_text(errors="replace")
     except OSError:
         return ""
-
-
-def _stopped(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    except (OSError, IndexError):
-        return False
-
-
-def _wake_to_dump(pid: int) -> None:
-    """Ask a stopped process of this job for its stacks: the dump signal waits until SIGCONT
-    lets the process run, and faulthandler's handler writes them at once. Only a process that
-    is stopped now is signalled: a rank that has ended may have left its pid to another."""
-    if DUMP_SIGNAL is None or not _stopped(pid):
-        return
-    try:
-        os.kill(pid, DUMP_SIGNAL)
-        os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
 
 
 def start(stall_s: float | None, run_dir: Path, rank: int, world_size: int,

@@ -23,6 +23,7 @@ from app.config import AppConfig, AppError, Mode
 from app.data_errors import loader_worker_died
 from app.run_lock import hold_as_worker
 from app.runtime import apply_runtime_flags, backend_for, select_device, share_cpu_threads
+from app.stacks import stacks_on_signal
 from app.worker_logging import FAILURE_LOGGER, setup_rank_logging
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank,
         share_cpu_threads(me.local_world_size)
     device = select_device(kind, me.local_rank, cfg.distributed.set_device_rank)
     os.environ.update(cfg.distributed.nccl_env)  # opt-in NCCL_* settings, before NCCL starts
-    with watchdog.stacks_on_signal(run_dir / "logs" / f"rank{me.rank}.stacks"):
+    with stacks_on_signal(run_dir / "logs" / f"rank{me.rank}.stacks"):
         dist.init(backend_for(kind, cfg.distributed.backend), me.url, me.rank, me.world_size,
                   me.local_rank, me.local_world_size, cfg.distributed.timeout_s)
         # Only training and evaluation tick; predict and export would look stalled.

@@ -1,0 +1,80 @@
+"""A process's Python stacks on demand, and the state of processes by pid (from /proc).
+
+`kill -s RTMIN+4 PID` writes the stacks of any app process that registered a file here (every
+rank, the launcher of spawned workers, a one-process run); the stall watchdog uses the same
+signal to collect every rank's stacks, and wakes a stopped rank to write its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+# The stack-dump signal: not SIGUSR1/SIGUSR2 (Slurm and submitit use them to ask for a requeue),
+# not SIGWINCH (every terminal resize), but a real-time signal, which no job system sends.
+DUMP_SIGNAL: int | None = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None
+_dump: TextIO | None = None  # where the dump signal writes this process's stacks
+
+
+@contextlib.contextmanager
+def stacks_on_signal(path: Path) -> Iterator[None]:
+    """While it runs, the dump signal writes this process's stacks to `path` (appended; the
+    file goes at the end when nothing was written). faulthandler's handler runs in C, so it
+    writes even when the main thread is stuck without the GIL. Nested calls keep the first
+    file (a rank's, registered before the process group exists)."""
+    global _dump
+    if _dump is not None or DUMP_SIGNAL is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _dump = open(path, "a")  # noqa: SIM115 (open while the process runs)
+    faulthandler.register(DUMP_SIGNAL, file=_dump, all_threads=True)
+    try:
+        yield
+    finally:
+        faulthandler.unregister(DUMP_SIGNAL)
+        _dump.close()
+        _dump = None
+        with contextlib.suppress(OSError):
+            if path.stat().st_size == 0:
+                path.unlink()
+
+
+def _state(pid: int) -> str | None:
+    """The one-letter state of process `pid` (R, S, T for stopped, Z for ended...), or None."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _state(pid) != "Z"  # an ended child not yet reaped is a zombie: ended
+
+
+def is_stopped(pid: int) -> bool:
+    return _state(pid) == "T"
+
+
+def wake_to_dump(pid: int) -> None:
+    """Ask a stopped process of this job for its stacks: the dump signal waits until SIGCONT
+    lets the process run, and faulthandler's handler writes them at once. Only a process that
+    is stopped now is signalled: a rank that has ended may have left its pid to another."""
+    if DUMP_SIGNAL is None or not is_stopped(pid):
+        return
+    try:
+        os.kill(pid, DUMP_SIGNAL)
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
