@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -208,3 +210,19 @@ def test_cpu_ranks_share_the_cores_unless_bound_or_told(monkeypatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     runtime.share_cpu_threads(2)  # the user's setting wins
     assert chosen == [4, 2, 2, 1]
+
+
+def test_a_dying_worker_server_is_seen_dead_while_it_exits(monkeypatch) -> None:
+    # The workers read as exit code 255 once the server's sockets close, a moment before the
+    # server is a zombie: its death must still be found then (it was missed in CI once).
+    import app.spawn as spawn
+
+    pid = os.fork()
+    if pid == 0:  # the "server": it ends by SIGKILL a little after the question is asked
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    monkeypatch.setattr(spawn, "_forkserver_pid", lambda: pid)
+    try:
+        assert spawn._forkserver_death() == f"(pid {pid}) was killed by SIGKILL"
+    finally:
+        os.waitpid(pid, 0)

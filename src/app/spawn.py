@@ -133,16 +133,23 @@ def _forkserver_pid() -> int | None:
     return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
 
 
-def _forkserver_death() -> str | None:
+def _forkserver_death(settle_s: float = 2.0) -> str | None:
     """How the worker server ended (it is this process's child), or None while it runs. It is
-    not reaped here: multiprocessing restarts it (a sweep's next job) once it has reaped it."""
+    not reaped here: multiprocessing restarts it (a sweep's next job) once it has reaped it.
+    A dying server closes its sockets (the workers then read as exit code 255) a moment before
+    it becomes a zombie that waitid sees, so its end is awaited up to `settle_s`."""
     pid = _forkserver_pid()
     if pid is None:
         return None
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return f"(pid {pid}) is gone"
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return f"(pid {pid}) is gone"
+        if info is not None or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
     if info is None:
         return None
     if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
