@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from app.async_save import CheckpointWriter
-from app.checkpoint import save as atomic_save
+from app.checkpoint.io import save as atomic_save
+from app.checkpoint.writer import CheckpointWriter
 
 
 def _state(size_mb: int) -> dict:

@@ -6,7 +6,7 @@ So each loop's steps lie between the other's, and a machine whose speed drifts (
 tens of percent over seconds) slows both alike. A loop's step time is from getting its turn
 to the end of its next optimizer step: loop bookkeeping, data, forward, backward and update.
 
-The app's loop is `app.train.train` with the config `python -m app` composes, logging to a
+The app's loop is `app.training.loop.train` with the config `python -m app` composes, logging to a
 file as under Hydra; the plain loop is bench/plain_loop.py's `train`.
 """
 
@@ -27,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from app.config import register_schemas, to_app_config
 from app.resolvers import register_resolvers
-from app.train import train as app_train
+from app.training.loop import train as app_train
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 10

@@ -98,7 +98,7 @@ def _patch_optimizer(module) -> None:
 
 mark("interpreter ready")
 sys.meta_path.insert(0, _Timed({"torch", "hydra", "torch._dynamo"}, {
-    "hydra._internal.hydra": _patch_hydra, "app.train": _patch_train,
+    "hydra._internal.hydra": _patch_hydra, "app.training.loop": _patch_train,
     "torch.optim.optimizer": _patch_optimizer}))
 sys.argv = ["app", *sys.argv[1:]]
 runpy.run_module("app", run_name="__main__", alter_sys=True)

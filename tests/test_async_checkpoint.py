@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.async_save import CheckpointWriter
+from app.checkpoint.writer import CheckpointWriter
 from conftest import BIG, REPO, assert_ok, load_state, run_app
 
 

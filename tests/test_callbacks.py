@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from app import runtime
 from app.callbacks import Callbacks
 from app.config import UserError
+from app.training import runtime
 from conftest import TINY, assert_ok, load_state, make_config, read_metrics, run_app
 
 # Validation every 4 steps; the learning rate so small that val/acc cannot move: a plateau.
@@ -77,7 +77,7 @@ def test_eval_visuals_draw_the_predictions_of_the_validating_weights(tmp_path) -
         title, cells = image.text["Title"], image.text["Description"].split("; ")
     # The labels drawn are the first 12 validation samples', with the final weights' predictions.
     cfg = make_config(*TINY)
-    from app.build import build_data, build_model
+    from app.training.build import build_data, build_model
 
     data = build_data(cfg)
     x, y = data.val.tensors

@@ -10,10 +10,10 @@ import os
 import pytest
 import torch
 
-from app import checkpoint
-from app.build import build_data, build_model
+from app.checkpoint import io as checkpoint
 from app.errors import UserError
-from app.worker import worker
+from app.launch.worker import worker
+from app.training.build import build_data, build_model
 from conftest import TINY, make_config
 
 # One checkpoint, the best, at step 3.

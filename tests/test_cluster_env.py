@@ -6,11 +6,11 @@ from datetime import datetime
 
 import pytest
 
-from app.cluster_env import check_horovod, detect, first_host
 from app.config import UserError
-from app.launch import resolve_devices
+from app.env import check_horovod, detect, first_host
+from app.launch.plan import resolve_devices
 from app.run_name import run_name
-from app.runtime import device_count
+from app.training.runtime import device_count
 
 NOW = datetime(2026, 12, 2, 15, 4, 5, 123456)
 

@@ -9,9 +9,9 @@ import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from app.build import build_data, build_model
 from app.compose_errors import explain
 from app.config import UserError
+from app.training.build import build_data, build_model
 from conftest import make_config
 
 MISSPELT = [

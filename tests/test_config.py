@@ -7,8 +7,8 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from app.build import build_data, build_model, build_optimizer, build_scheduler
 from app.config import AppConfig, Mode, UserError, validate
+from app.training.build import build_data, build_model, build_optimizer, build_scheduler
 from conftest import CONF_DIR, make_config
 
 GROUPS = {
@@ -138,7 +138,7 @@ def test_data_seeds_are_bounded_like_the_run_seed(overrides: list[str]) -> None:
 def test_the_largest_seed_trains(tmp_path) -> None:
     """Every seed the check lets through survives the arithmetic the loop and the data sets
     do with it (per-epoch and per-sample seeds)."""
-    from app.train import train
+    from app.training.loop import train
 
     cfg = make_config("seed=4294967295", "data.shift=1", "model.channels=[4]",
                       "trainer.max_epochs=null", "trainer.max_steps=2",

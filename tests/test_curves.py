@@ -10,7 +10,7 @@ import re
 import pytest
 from PIL import Image
 
-from app.curves import COLORS, Axis, draw_curves, layout, panel_areas, read_series
+from app.reporting.curves import COLORS, Axis, draw_curves, layout, panel_areas, read_series
 
 
 def write_metrics(run_dir, train: dict[int, float], val: dict[int, tuple[float, float]]) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data._utils import signal_handling
 
-from app.data_errors import loader_worker_died
+from app.training.data_errors import loader_worker_died
 
 
 def test_a_worker_killed_during_a_batch_fetch_is_named(monkeypatch) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from app import launch as launch_module
-from app import runtime
 from app.config import UserError
+from app.launch import plan as launch_module
+from app.training import runtime
 from conftest import make_config
 
 

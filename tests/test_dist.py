@@ -59,7 +59,7 @@ def test_helpers_and_the_per_machine_group(tmp_path) -> None:
 
 def test_a_host_that_does_not_resolve_fails_before_any_worker_starts(tmp_path,
                                                                      monkeypatch) -> None:
-    from app import launch
+    from app.launch import plan as launch
 
     monkeypatch.setattr(launch, "spawn", lambda *a: pytest.fail("workers were started"))
     cfg = make_config("devices=2", "dist_url=tcp://nonexistent.invalid:29511")
@@ -86,7 +86,7 @@ def test_the_stall_watchdog_can_be_turned_off() -> None:
 
 
 def test_cpu_devices_far_beyond_the_cores_are_refused(monkeypatch) -> None:
-    from app import launch
+    from app.launch import plan as launch
 
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
     with pytest.raises(UserError, match=r"^devices=1000: this machine has 2 CPU core\(s\).*"

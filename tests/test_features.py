@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from app.build import build_data, build_model, build_optimizer, parameter_groups
 from app.data import ShiftedImages
-from app.ema import ModelEMA
 from app.schedulers import constant
-from app.train_step import TrainStep
+from app.training.build import build_data, build_model, build_optimizer, parameter_groups
+from app.training.ema import ModelEMA
+from app.training.step import TrainStep
 from conftest import (
     TINY,
     assert_ok,

@@ -71,7 +71,7 @@ def _predict(run_dir, ckpt, *overrides) -> list[dict[str, str]]:
 def test_predict_on_npy_and_image_folder(trained, tmp_path) -> None:
     from PIL import Image
 
-    from app.build import build_data
+    from app.training.build import build_data
 
     val_images = build_data(make_config()).val.tensors[0][:10].numpy()
     np.save(tmp_path / "inputs.npy", val_images[:, 0])  # (N, H, W)
@@ -111,7 +111,7 @@ def test_export_fails_when_outputs_differ(trained, tmp_path, monkeypatch) -> Non
     import torch
 
     from app.config import AppError
-    from app.export import run_export
+    from app.modes.export import run_export
 
     real_load = torch.jit.load
     monkeypatch.setattr(torch.jit, "load", lambda path: (lambda x: real_load(path)(x) + 1e-3))
@@ -197,7 +197,7 @@ def _corrupt_inputs(tmp_path) -> dict[str, tuple[Path, str]]:
 
 
 def test_predict_inputs_that_cannot_be_read_name_the_file(tmp_path) -> None:
-    from app.predict import load_inputs
+    from app.modes.predict import load_inputs
 
     for case, (path, words) in _corrupt_inputs(tmp_path).items():
         with pytest.raises(UserError) as err:

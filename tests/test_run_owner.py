@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from app import files
 from app.files import write_text_atomically
-from app.run_lock import owns_run
+from app.launch.run_lock import owns_run
 from hydra_plugins.app_submitit.launcher import AppSlurmLauncher
 
 

@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from app.config import UserError
-from app.loggers import MLflowLogger
+from app.reporting.loggers import MLflowLogger
 from conftest import REPO, TINY, assert_ok, multirun, read_metrics, run_app
 
 
@@ -156,11 +156,11 @@ def _job_dir(sweep, num: int, overrides: list[str], log: list[str], result: dict
 
 
 def _record(clock: str, message: str) -> str:
-    return f"[2026-12-03 {clock},000][app.train][INFO] - {message}"
+    return f"[2026-12-03 {clock},000][app.training.loop][INFO] - {message}"
 
 
 def test_summary_counts_every_attempt_and_the_step_a_job_failed_at(tmp_path) -> None:
-    from app.summary import ATTEMPT, write_summary
+    from app.reporting.summary import ATTEMPT, write_summary
 
     sweep = tmp_path / "sweep"
     # Job 0 was killed after 30 s, then resumed an hour later and completed in 5 s.
@@ -209,7 +209,7 @@ def test_summary_picture_names_what_became_of_jobs_without_a_value(tmp_path, mon
                                                                   ) -> None:
     from matplotlib.figure import Figure
 
-    from app.plots import draw_summary
+    from app.reporting.plots import draw_summary
 
     drawn: list[Figure] = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))

@@ -12,13 +12,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from app import checkpoint, dist
-from app.build import ResumableSampler, ShardSampler
+from app import dist
+from app.checkpoint import io as checkpoint
 from app.config import AppError, UserError
-from app.data_errors import DataItemError, NamedItems
-from app.loggers import CSVLogger
-from app.runtime import rng_state, set_rng_state
+from app.reporting.loggers import CSVLogger
 from app.schedulers import constant, step, warmup_cosine
+from app.training.build import ResumableSampler, ShardSampler
+from app.training.data_errors import DataItemError, NamedItems
+from app.training.runtime import rng_state, set_rng_state
 
 
 def test_save_is_atomic_and_links_share_one_file(tmp_path) -> None:
@@ -193,7 +194,7 @@ def test_shard_sampler_and_helpers_without_process_group() -> None:
 
 
 def test_cpu_ranks_share_the_cores_unless_bound_or_told(monkeypatch) -> None:
-    from app import runtime
+    from app.training import runtime
 
     chosen = []
     monkeypatch.setattr(runtime.torch, "set_num_threads", chosen.append)
@@ -215,7 +216,7 @@ def test_cpu_ranks_share_the_cores_unless_bound_or_told(monkeypatch) -> None:
 def test_a_dying_worker_server_is_seen_dead_while_it_exits(monkeypatch) -> None:
     # The workers read as exit code 255 once the server's sockets close, a moment before the
     # server is a zombie: its death must still be found then (it was missed in CI once).
-    import app.spawn as spawn
+    import app.launch.spawn as spawn
 
     pid = os.fork()
     if pid == 0:  # the "server": it ends by SIGKILL a little after the question is asked

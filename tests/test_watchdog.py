@@ -1,5 +1,5 @@
 """The progress watchdog: a rank that stops making progress ends the job, named, with every
-rank's Python stack on disk (app.watchdog)."""
+rank's Python stack on disk (app.launch.watchdog)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from app import stacks, watchdog
-from app.stacks import DUMP_SIGNAL
-from app.watchdog import Peer, describe, judge
+from app.launch import stacks, watchdog
+from app.launch.stacks import DUMP_SIGNAL
+from app.launch.watchdog import Peer, describe, judge
 from conftest import HELPERS, REPO, TINY, alive, read_metrics, wait_for_rows, worker_pids
 
 STALL = 10.0
@@ -108,7 +108,7 @@ def test_a_rank_waiting_for_a_requeue_counts_as_ended() -> None:
 def test_a_wait_for_the_device_counts_as_waiting() -> None:
     """With NCCL the host waits for a slow rank at the app's own device syncs (the loss
     check), not inside torch.distributed."""
-    from app.train_step import FiniteLosses
+    from app.training.step import FiniteLosses
 
     seen = []
 

@@ -15,14 +15,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from app.cluster_env import detect
 from app.compose_errors import explain_composition_errors
 from app.config import AppError, register_schemas, to_app_config
+from app.env import detect
+from app.launch.run_lock import RunDirInUse, owns_run, take
+from app.launch.spawn import prestart
+from app.reporting.results import write_result
 from app.resolvers import register_resolvers
-from app.results import write_result
-from app.run_lock import RunDirInUse, owns_run, take
-from app.runtime import reproducible_matmuls
-from app.spawn import prestart
+from app.training.runtime import reproducible_matmuls
 
 log = logging.getLogger("app")
 
@@ -50,14 +50,14 @@ def main(dict_cfg: DictConfig) -> float | None:
     lock = None
     try:
         if record:
-            # Taken already, before Hydra wrote into the run directory (app.summary's hooks):
+            # Taken already, before Hydra wrote into the run directory (app.reporting.summary):
             # RunDirInUse, naming the holder, if another command owns it.
             lock = take(run_dir)
         # Convert at the boundary: below here code sees plain, resolved, typed objects.
         cfg = to_app_config(dict_cfg)
         prestart(cfg)  # a worker server imports torch while this process does the same
         # Imported here: it brings torch (seconds), which --help and --cfg do not need.
-        from app.launch import launch
+        from app.launch.plan import launch
 
         result = launch(cfg, run_dir)
         if record:
@@ -78,7 +78,7 @@ def main(dict_cfg: DictConfig) -> float | None:
         if HydraConfig.get().mode == RunMode.MULTIRUN and rank_env is None and \
                 isinstance(e, Exception) and not interrupted and not refused_job:
             # A failed job of a sweep is a row of its summary, not the end of the sweep: the
-            # other jobs still run, and the sweep's end reports the failures (app.summary).
+            # other jobs still run, and the sweep summary reports the failures.
             # NaN is what sweepers such as Optuna take for a failed trial.
             if isinstance(e, AppError):
                 log.error("%s", e)

@@ -7,8 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from app.curves import draw_curves
-from app.summary import curves_note, job_summary, markdown, write_summary
+from app.reporting.curves import draw_curves
+from app.reporting.summary import curves_note, job_summary, markdown, write_summary
 
 
 def main(argv: list[str] | None = None) -> int:

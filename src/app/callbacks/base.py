@@ -105,7 +105,9 @@ class Callbacks:
 
     @classmethod
     def build(cls, cfg: AppConfig) -> Callbacks:
-        from app.build import instantiate_group  # (app.build imports the loop's pieces)
+        from app.training.build import (
+            instantiate_group,  # (app.training.build imports the loop's pieces)
+        )
 
         named = {}
         for name, node in cfg.callbacks.items():

@@ -23,7 +23,7 @@ class EvalVisuals(Callback):
         self.validations += 1
         if self.validations % self.every:
             return
-        from app.predict import save_grid  # matplotlib is imported only when drawing
+        from app.modes.predict import save_grid  # matplotlib is imported only when drawing
 
         x, y = run.data.val.tensors
         x, y = x[: self.num_show], y[: self.num_show]

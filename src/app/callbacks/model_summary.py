@@ -25,6 +25,6 @@ class ModelSummary(Callback):
         log.info("model %s: %s parameters (%s trainable), %.2f MB of weights",
                  run.cfg.model["_target_"], f"{total:,}", f"{trainable:,}", size / 2**20)
         if self.depth >= 1:
-            from app.build import model_summary
+            from app.training.build import model_summary
 
             log.info("model summary:\n%s", model_summary(model))

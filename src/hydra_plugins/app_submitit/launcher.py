@@ -14,7 +14,7 @@
   (_job_report.py). Ctrl-C stops the waiting, not the jobs: one line per job that goes on,
   with how to watch or cancel it.
 - Requeue after a checkpoint: app's loop itself handles submitit's requeue signal (see
-  app/stop.py), so the stock `checkpoint()` (resubmit with the same arguments) suffices.
+  app/training/stop.py), so the stock `checkpoint()` (resubmit with the same arguments) suffices.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
 
         import torch
 
-        from app.runtime import resolve_accelerator
+        from app.training.runtime import resolve_accelerator
 
         if resolve_accelerator(cfg.accelerator, cfg.accelerator_strict) != "cuda":
             return
@@ -127,8 +127,8 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         import json
         import os
 
-        from app.cluster_env import detect
-        from app.results import RESULT
+        from app.env import detect
+        from app.reporting.results import RESULT
 
         from ._job_report import JobFailed
 
@@ -241,7 +241,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         if ended_by_slurm:
             task_part = "" if task is None else f", task {task}"
             self._record_end(num, how.lower(), f"slurm job {job.job_id}{task_part}: {what}")
-        # Reported here and in the sweep's summary (app.summary ends the command non-zero);
+        # Reported here and in the sweep's summary (its summary ends the command non-zero);
         # the sweep itself goes on, and NaN is what sweepers take for a failed trial.
         return JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
                          _return_value=math.nan, working_dir=str(self._run_dir(num)))
@@ -254,7 +254,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         import json
 
         from app.files import write_text_atomically
-        from app.results import RESULT
+        from app.reporting.results import RESULT
 
         run_dir = self._run_dir(num)
         (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)

@@ -11,11 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from app import dist, watchdog
-from app.build import build_data, build_trained_model, build_val_loader
+from app import dist
 from app.config import AppConfig
 from app.files import write_text_atomically
-from app.loggers import CSVLogger
+from app.launch import watchdog
+from app.reporting.loggers import CSVLogger
+from app.training.build import build_data, build_trained_model, build_val_loader
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The picture of a sweep: `summary.png` (a run's curves are app.curves')."""
+"""The picture of a sweep: `summary.png` (a run's curves are app.reporting.curves')."""
 
 from __future__ import annotations
 

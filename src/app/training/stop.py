@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from app import dist, watchdog
+from app import dist
+from app.launch import watchdog
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)

@@ -16,7 +16,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 
 from app.files import write_bytes_atomically
-from app.results import read_metrics
+from app.reporting.results import read_metrics
 
 WIDTH, HEIGHT = 1100, 460
 # Inside each half of the picture: left (tick labels), top (title, legend), right, bottom.

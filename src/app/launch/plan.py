@@ -12,15 +12,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from app.cluster_env import check_horovod, detect
 from app.config import AppConfig, Mode, UserError
 from app.dist import check_host
-from app.results import write_result
-from app.runtime import device_count, resolve_accelerator, select_device, select_device_id
-from app.spawn import spawn
-from app.stacks import stacks_on_signal
-from app.worker import Rank, run_rank, worker
-from app.worker_logging import setup_rank_logging
+from app.env import check_horovod, detect
+from app.launch.rank_logs import setup_rank_logging
+from app.launch.spawn import spawn
+from app.launch.stacks import stacks_on_signal
+from app.launch.worker import Rank, run_rank, worker
+from app.reporting.results import write_result
+from app.training.runtime import device_count, resolve_accelerator, select_device, select_device_id
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def resolve_devices(devices: int | str, kind: str) -> int:
 
 
 def _stall_reporter(run_dir: Path, rank: int) -> Callable[[str], None]:
-    """How a rank of a torchrun/SLURM job reports the stall that ends it (app.watchdog): the
+    """How a rank of a torchrun/SLURM job reports the stall that ends it (app.launch.watchdog): the
     line in its log (rank 0's on the console too), and rank 0 records the failure, as
     __main__ does for an error (the process exits without returning there)."""
     started = time.monotonic()

@@ -47,7 +47,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from app.stacks import is_stopped, running, stacks_on_signal, wake_to_dump
+from app.launch.stacks import is_stopped, running, stacks_on_signal, wake_to_dump
 
 log = logging.getLogger(__name__)
 

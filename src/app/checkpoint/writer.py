@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from app import checkpoint, watchdog
+from app.checkpoint import io as checkpoint
+from app.launch import watchdog
 
 log = logging.getLogger(__name__)
 

@@ -21,14 +21,14 @@ import socket
 import time
 from pathlib import Path
 
-from app.cluster_env import detect
 from app.config import AppConfig, AppError, Mode
+from app.env import detect
 
 log = logging.getLogger(__name__)
 
 # What the forkserver imports once, so that each worker it forks starts with them: torch, and
 # torch._dynamo, which every optimizer.step() imports (about as slow as torch itself).
-PRELOAD = ["torch", "torch._dynamo", "app.worker", "app.train", "app.evaluate"]
+PRELOAD = ["torch", "torch._dynamo", "app.launch.worker", "app.training.loop", "app.modes.evaluate"]
 
 
 def spawns_workers(cfg: AppConfig) -> bool:
@@ -233,7 +233,7 @@ def _stop_message(sig: int, cfg: AppConfig, killed: set[int], reports: list[dict
 
 def spawn(cfg: AppConfig, run_dir: Path, kind: str, devices: int, url: str) -> float | None:
     """Start `devices` workers, watch them, and end them all if one fails or a signal comes."""
-    from app.worker import spawned_worker  # (torch: after the worker server has started)
+    from app.launch.worker import spawned_worker  # (torch: after the worker server has started)
 
     if cfg.distributed.start_method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)  # (when prestart could not know)

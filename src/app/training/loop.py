@@ -13,9 +13,16 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from app import checkpoint, dist, watchdog
-from app.async_save import CheckpointWriter
-from app.build import (
+from app import dist
+from app.callbacks import Callbacks, Run
+from app.checkpoint import io as checkpoint
+from app.checkpoint.writer import CheckpointWriter
+from app.config import AppConfig, AppError, MonitorMode, UserError
+from app.launch import watchdog
+from app.modes.evaluate import evaluate
+from app.reporting.curves import draw_curves
+from app.reporting.loggers import MetricLogger
+from app.training.build import (
     build_data,
     build_model,
     build_optimizer,
@@ -23,15 +30,10 @@ from app.build import (
     build_train_loader,
     build_val_loader,
 )
-from app.callbacks import Callbacks, Run
-from app.config import AppConfig, AppError, MonitorMode, UserError
-from app.curves import draw_curves
-from app.ema import ModelEMA
-from app.evaluate import evaluate
-from app.loggers import MetricLogger
-from app.runtime import rng_state, seed_everything, set_rng_state
-from app.stop import StopRequest
-from app.train_step import FiniteLosses, TrainStep
+from app.training.ema import ModelEMA
+from app.training.runtime import rng_state, seed_everything, set_rng_state
+from app.training.step import FiniteLosses, TrainStep
+from app.training.stop import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +261,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                     bar.update()
                 if _every(t.log_every_n_steps, step) or done:
                     # .item() waits for the device: only on logging steps. With NCCL that is
-                    # where the host waits for a slow rank (app.watchdog.waiting).
+                    # where the host waits for a slow rank (app.launch.watchdog.waiting).
                     with watchdog.waiting():
                         loss_value = dist.all_reduce_mean(loss.detach()).item()
                     lr = scheduler.get_last_lr()[0]

@@ -14,10 +14,11 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from app import checkpoint, dist
+from app import dist
+from app.checkpoint import io as checkpoint
 from app.config import AppConfig, UserError
 from app.data import DataModule
-from app.data_errors import NamedItems, no_async_worker_errors
+from app.training.data_errors import NamedItems, no_async_worker_errors
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from app import dist, watchdog
+from app import dist
 from app.config import AppConfig, AppError, Mode
-from app.data_errors import loader_worker_died
-from app.run_lock import hold_as_worker
-from app.runtime import apply_runtime_flags, backend_for, select_device, share_cpu_threads
-from app.stacks import stacks_on_signal
-from app.worker_logging import FAILURE_LOGGER, setup_rank_logging
+from app.launch import watchdog
+from app.launch.rank_logs import FAILURE_LOGGER, setup_rank_logging
+from app.launch.run_lock import hold_as_worker
+from app.launch.stacks import stacks_on_signal
+from app.training.data_errors import loader_worker_died
+from app.training.runtime import apply_runtime_flags, backend_for, select_device, share_cpu_threads
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +49,13 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     # Each mode's module is imported only when chosen: predict and export pull in extra
     # libraries (matplotlib, torch.export) that a training run should not pay for.
     if cfg.trainer.mode == Mode.trainval:
-        from app.train import train as run
+        from app.training.loop import train as run
     elif cfg.trainer.mode == Mode.eval:
-        from app.evaluate import run_eval as run
+        from app.modes.evaluate import run_eval as run
     elif cfg.trainer.mode == Mode.predict:
-        from app.predict import run_predict as run
+        from app.modes.predict import run_predict as run
     else:
-        from app.export import run_export as run
+        from app.modes.export import run_export as run
     try:
         return run(cfg, run_dir, device)
     except Exception as e:  # (a dead loader worker: RuntimeError, or a connection error)
@@ -67,7 +68,7 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
 def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank,
              on_stall: Callable[[str], None]) -> float | None:
     """Join the process group as `me`, run the mode, leave the group. `on_stall` reports the
-    line that ends a stalled job (app.watchdog), before the process exits."""
+    line that ends a stalled job (app.launch.watchdog), before the process exits."""
     # The device is made current before the first collective (NCCL binds to it).
     if kind == "cpu":  # the ranks on this machine share its cores
         share_cpu_threads(me.local_world_size)

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app import dist, watchdog
-from app.ema import ModelEMA
+from app import dist
 from app.errors import AppError, UserError
+from app.launch import watchdog
+from app.training.ema import ModelEMA
 
 
 def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

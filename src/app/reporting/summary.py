@@ -21,11 +21,11 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from app.cluster_env import detect
-from app.curves import draw_curves
-from app.plots import draw_summary
-from app.results import RESULT, run_summary
-from app.run_lock import claim_for_job, claim_for_run, refused
+from app.env import detect
+from app.launch.run_lock import claim_for_job, claim_for_run, refused
+from app.reporting.curves import draw_curves
+from app.reporting.plots import draw_summary
+from app.reporting.results import RESULT, run_summary
 
 log = logging.getLogger(__name__)
 

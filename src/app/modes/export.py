@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from app.build import build_data, build_trained_model
 from app.config import AppConfig, AppError
 from app.files import write_text_atomically
+from app.training.build import build_data, build_trained_model
 
 log = logging.getLogger(__name__)
 

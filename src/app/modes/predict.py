@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.build import build_data, build_trained_model
 from app.config import AppConfig, UserError
 from app.data import DataModule
 from app.files import write_bytes_atomically, write_text_atomically
+from app.training.build import build_data, build_trained_model
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from app.cluster_env import detect
+from app.env import detect
 from app.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""Checkpoints: the layout and its checks, the files, and the background writer."""

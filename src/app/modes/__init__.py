@@ -1,0 +1,1 @@
+"""The modes other than training: evaluate, predict, export."""

@@ -1,0 +1,1 @@
+"""What runs and sweeps leave behind for people: metric files, tables, pictures."""
