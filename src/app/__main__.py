@@ -16,8 +16,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from app.compose_errors import explain_composition_errors
+from app.conf_dir import config_dir
 from app.config import AppError, register_schemas, to_app_config
-from app.env import detect
+from app.env import enter, this_process
 from app.launch.run_lock import RunDirInUse, owns_run, take
 from app.launch.spawn import prestart
 from app.reporting.results import write_result
@@ -26,12 +27,15 @@ from app.training.runtime import reproducible_matmuls
 
 log = logging.getLogger("app")
 
-# conf/ sits at the top of the repository, beside src/ (the package is installed editable).
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+# conf/ at the top of the repository, or the copy inside an installed wheel (app.conf_dir).
+CONFIG_DIR = str(config_dir())
 
 reproducible_matmuls()  # before MKL's first call, in this process and every worker
 register_schemas()
 register_resolvers()
+# This process's place in a job, detected once, before Hydra calls our callbacks (a submitit
+# job's entry is its launcher's __call__, a spawned worker's is app.launch.worker).
+enter()
 explain_composition_errors()  # a broken YAML file, a misspelt key: one line, not Hydra's report
 # conf/hydra/launcher/submitit_*.yaml shadow the stock options on purpose (same names, app's
 # launcher) and are checked against their schemas; Hydra warns about that on every run.
@@ -42,11 +46,11 @@ warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigSto
 def main(dict_cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     started = time.monotonic()
-    rank_env = detect(os.environ)
+    env = this_process()
     # One process owns the run, holds its lock and records how it ended: machine 0's launcher
     # (the other machines of a nodes=N run share its directory), or rank 0 of a
     # torchrun/SLURM job.
-    record = owns_run(dict_cfg.get("machine_rank", 0))
+    record = owns_run(dict_cfg.get("machine_rank", 0), env)
     lock = None
     try:
         if record:
@@ -55,11 +59,11 @@ def main(dict_cfg: DictConfig) -> float | None:
             lock = take(run_dir)
         # Convert at the boundary: below here code sees plain, resolved, typed objects.
         cfg = to_app_config(dict_cfg)
-        prestart(cfg)  # a worker server imports torch while this process does the same
+        prestart(cfg, env)  # a worker server imports torch while this process does the same
         # Imported here: it brings torch (seconds), which --help and --cfg do not need.
         from app.launch.plan import launch
 
-        result = launch(cfg, run_dir)
+        result = launch(cfg, run_dir, env)
         if record:
             write_result(run_dir, "completed", time.monotonic() - started)
     except BaseException as e:
@@ -75,7 +79,7 @@ def main(dict_cfg: DictConfig) -> float | None:
         # A refused job of a submitit sweep fails its task (the job must not pass as done,
         # and the run directory's records are the other command's).
         refused_job = isinstance(e, RunDirInUse) and "SUBMITIT_EXECUTOR" in os.environ
-        if HydraConfig.get().mode == RunMode.MULTIRUN and rank_env is None and \
+        if HydraConfig.get().mode == RunMode.MULTIRUN and not env.is_rank and \
                 isinstance(e, Exception) and not interrupted and not refused_job:
             # A failed job of a sweep is a row of its summary, not the end of the sweep: the
             # other jobs still run, and the sweep summary reports the failures.

@@ -1,0 +1,17 @@
+"""Packaging that pyproject.toml cannot say: conf/ ships inside the wheel as `app/conf`.
+
+conf/ stays at the top of the repository (its one source); the mapping below copies it into
+the wheel, so an installed `app` composes from `app/conf` (see app/conf_dir.py).
+"""
+
+from setuptools import find_namespace_packages, setup
+
+setup(
+    package_dir={"": "src", "app.conf": "conf"},
+    packages=[
+        *find_namespace_packages("src", include=["app*", "hydra_plugins*"],
+                                 exclude=["*__pycache__"]),
+        "app.conf",
+    ],
+    package_data={"app.conf": ["**/*.yaml"]},
+)
