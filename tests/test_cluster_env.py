@@ -1,4 +1,5 @@
-"""Rank environments read from variables: torchrun, SLURM, MPI/PMI, Horovod; run names."""
+"""Process environments read from variables (torchrun, SLURM, MPI/PMI, Horovod), spawned
+workers and single processes; run names."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from datetime import datetime
 
 import pytest
 
+from app import env as env_module
 from app.config import UserError
-from app.env import check_horovod, detect, first_host
+from app.env import SINGLE, Kind, check_horovod, detect, first_host, spawned
 from app.launch.plan import resolve_devices
 from app.run_name import run_name
 from app.training.runtime import device_count
@@ -16,27 +18,33 @@ NOW = datetime(2026, 12, 2, 15, 4, 5, 123456)
 
 
 def test_plain_process_is_not_a_rank() -> None:
-    assert detect({}) is None
-    assert detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}) is None
-    assert detect({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}) is None
-    assert detect({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}) is None
+    assert detect({}) == SINGLE
+    assert detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}) == SINGLE
+    assert detect({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}) == SINGLE
+    assert detect({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}) == SINGLE
+    assert (SINGLE.kind, SINGLE.rank, SINGLE.world_size, SINGLE.is_rank) == (
+        Kind.single, 0, 1, False)
 
 
 def test_torchrun_variables() -> None:
     env = detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                   "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29400",
                   "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"})
-    assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
-        "torchrun", 3, 8, 1, 2)  # torchrun wins over SLURM variables
+    assert (env.kind, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
+        Kind.torchrun, 3, 8, 1, 2)  # torchrun wins over SLURM variables
     assert env.dist_url == "tcp://10.1.2.3:29400"
+    assert env.node_rank == 1 and env.is_rank  # no GROUP_RANK: rank // local world size
+    assert detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                   "GROUP_RANK": "0"}).node_rank == 0  # torchrun's own word wins
 
 
 def test_slurm_task_variables() -> None:
     env = detect({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1",
                   "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_ID": "123456",
                   "SLURM_STEP_NODELIST": "gpu[07-08]"})
-    assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
-        "slurm", 5, 8, 1, 4)
+    assert (env.kind, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
+        Kind.slurm, 5, 8, 1, 4)
+    assert env.node_rank == 1
     assert env.master_addr == "gpu07"
     assert env.master_port == 15000 + 123456 % 20000
 
@@ -45,13 +53,33 @@ def test_mpi_variables() -> None:
     env = detect({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
                   "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
                   "MASTER_ADDR": "node1", "MASTER_PORT": "23456"})
-    assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
-        "mpi", 2, 4, 0, 2)
+    assert (env.kind, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
+        Kind.mpi, 2, 4, 0, 2)
+    assert env.node_rank == 1 and env.dist_url == "tcp://node1:23456"
     pmi = detect({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1",
                   "MASTER_ADDR": "127.0.0.1"})
     assert (pmi.rank, pmi.world_size, pmi.local_rank, pmi.master_port) == (1, 2, 1, 29500)
     with pytest.raises(UserError, match="MASTER_ADDR"):
         detect({"PMI_RANK": "1", "PMI_SIZE": "2"})
+
+
+def test_a_spawned_worker_knows_its_place_from_its_launcher() -> None:
+    me = spawned(1, devices=2, node_rank=1, nodes=2, url="tcp://10.0.0.5:29511")
+    assert (me.kind, me.rank, me.world_size, me.local_rank, me.local_world_size,
+            me.node_rank) == (Kind.spawned, 3, 4, 1, 2, 1)
+    assert me.dist_url == "tcp://10.0.0.5:29511" and me.is_rank
+
+
+def test_the_entry_detects_once_and_the_process_keeps_it(monkeypatch) -> None:
+    monkeypatch.setattr(env_module, "_entered", None)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert env_module.enter().kind == Kind.torchrun
+    monkeypatch.delenv("RANK")  # read once: a later change is not this process's place
+    assert env_module.this_process().rank == 1
+    me = spawned(0, 2, 0, 1, "tcp://127.0.0.1:29500")
+    assert env_module.enter(me) is me and env_module.this_process() is me
 
 
 @pytest.mark.parametrize("nodelist,host", [

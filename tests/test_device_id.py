@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.config import UserError
+from app.env import SINGLE
 from app.launch import plan as launch_module
 from app.training import runtime
 from conftest import make_config
@@ -21,9 +22,8 @@ from conftest import make_config
 def test_device_id_without_its_device_says_what_to_type(monkeypatch, tmp_path, overrides,
                                                         words) -> None:
     monkeypatch.setattr(runtime, "available", lambda kind: kind == "cpu")  # a machine, no GPU
-    monkeypatch.setattr(launch_module, "detect", lambda env: None)  # not a rank of a job
-    with pytest.raises(UserError) as err:
-        launch_module.launch(make_config(*overrides), tmp_path)
+    with pytest.raises(UserError) as err:  # (a single process, not a rank of a job)
+        launch_module.launch(make_config(*overrides), tmp_path, SINGLE)
     assert words in str(err.value), str(err.value)
     if "accelerator=cuda" in overrides:
         assert "accelerator=cuda device_id" not in str(err.value)  # not what the user typed

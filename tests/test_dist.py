@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from app import dist
 from app.config import UserError, validate
+from app.env import SINGLE
 from conftest import make_config
 
 
@@ -65,7 +66,7 @@ def test_a_host_that_does_not_resolve_fails_before_any_worker_starts(tmp_path,
     cfg = make_config("devices=2", "dist_url=tcp://nonexistent.invalid:29511")
     with pytest.raises(UserError, match=r"^dist_url=tcp://nonexistent.invalid:29511: the host "
                                         r"nonexistent.invalid cannot be resolved"):
-        launch.launch(cfg, tmp_path)
+        launch.launch(cfg, tmp_path, SINGLE)
 
 
 @pytest.mark.parametrize("override,words", [

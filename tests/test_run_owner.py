@@ -9,6 +9,7 @@ import os
 from omegaconf import OmegaConf
 
 from app import files
+from app.env import SINGLE, detect
 from app.files import write_text_atomically
 from app.launch.run_lock import owns_run
 from hydra_plugins.app_submitit.launcher import AppSlurmLauncher
@@ -38,12 +39,11 @@ def test_two_processes_writing_one_run_file_do_not_take_each_others_temporary_fi
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
 
 
-def test_only_machine_0_owns_the_run(monkeypatch) -> None:
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS",
-                 "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    assert owns_run(0)
-    assert not owns_run(1)  # another machine's launcher, on the same run directory
+def test_only_machine_0_owns_the_run() -> None:
+    assert owns_run(0, SINGLE)
+    assert not owns_run(1, SINGLE)  # another machine's launcher, on the same run directory
+    rank1 = detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    assert not owns_run(0, rank1)  # rank 1 of a torchrun job: rank 0 records the run
 
 
 def _launcher(run_dir) -> AppSlurmLauncher:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from app.config import AppConfig, Mode, UserError
 from app.dist import check_host
-from app.env import check_horovod, detect
+from app.env import ProcessEnv, check_horovod
 from app.launch.rank_logs import setup_rank_logging
 from app.launch.spawn import spawn
 from app.launch.stacks import stacks_on_signal
-from app.launch.worker import Rank, run_rank, worker
+from app.launch.worker import run_rank, worker
 from app.reporting.results import write_result
 from app.training.runtime import device_count, resolve_accelerator, select_device, select_device_id
 
@@ -68,20 +68,17 @@ def _free_local_url() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def launch(cfg: AppConfig, run_dir: Path) -> float | None:
+def launch(cfg: AppConfig, run_dir: Path, env: ProcessEnv) -> float | None:
     check_horovod(os.environ, cfg.distributed.horovod)
-    env = detect(os.environ)
     kind = resolve_accelerator(cfg.accelerator, cfg.accelerator_strict)
-    if env is not None:  # torchrun, a SLURM task or an MPI rank: this process is one rank
+    if env.is_rank:  # torchrun, a SLURM task or an MPI rank: this process is one rank
         if cfg.device_id is not None:
-            raise UserError(f"device_id={cfg.device_id}: under {env.source} each rank takes "
+            raise UserError(f"device_id={cfg.device_id}: under {env.kind.value} each rank takes "
                             f"its local rank's device; drop device_id")
         setup_rank_logging(run_dir, env.rank, keep_handlers=env.rank == 0)
         log.info("rank %d of %d from %s (rendezvous %s)", env.rank, env.world_size,
-                 env.source, env.dist_url)
-        return run_rank(cfg, run_dir, kind, Rank(env.rank, env.world_size, env.local_rank,
-                                                 env.local_world_size, env.dist_url),
-                        _stall_reporter(run_dir, env.rank))
+                 env.kind.value, env.dist_url)
+        return run_rank(cfg, run_dir, kind, env, _stall_reporter(run_dir, env.rank))
     devices = resolve_devices(cfg.devices, kind)
     if cfg.trainer.mode in (Mode.predict, Mode.export) and devices * cfg.nodes > 1:
         log.info("trainer=%s runs in one process", cfg.trainer.mode.value)

@@ -32,7 +32,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from app.env import detect
+from app.env import ProcessEnv, this_process
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -210,19 +210,18 @@ def _holder(file) -> str:
 _claimed: dict[Path, RunLock | RunDirInUse] = {}
 
 
-def owns_run(machine_rank: int) -> bool:
+def owns_run(machine_rank: int, env: ProcessEnv) -> bool:
     """Whether this process owns the run (holds its lock, records its result): the launcher of
     machine 0 (the other machines of a nodes=N run share its directory), or rank 0 of a
     torchrun/SLURM job."""
-    rank_env = detect(os.environ)
-    return (rank_env is None or rank_env.rank == 0) and machine_rank == 0
+    return env.rank == 0 and machine_rank == 0
 
 
 def claim_for_run(config: DictConfig) -> None:
     """Hydra's on_run_start (a single run): take the lock before Hydra writes `.hydra/` and
     opens `train.log` in the run directory, so that a refused command writes nothing there;
     it ends here, in one line."""
-    if not owns_run(config.get("machine_rank", 0)):
+    if not owns_run(config.get("machine_rank", 0), this_process()):
         return
     # Pinned: Hydra resolves it again for the job, and a name made from the clock would differ.
     with read_write(config.hydra.run):
@@ -241,7 +240,7 @@ def claim_for_job(run_dir: Path, machine_rank: int) -> bool:
     """Hydra's on_job_start (a job of a sweep): take the lock, or keep the refusal for the job
     to report. Whether this process owns the run directory now."""
     run_dir = Path(os.path.abspath(run_dir))
-    if not owns_run(machine_rank):
+    if not owns_run(machine_rank, this_process()):
         return False
     if run_dir not in _claimed:
         lock = RunLock(run_dir)

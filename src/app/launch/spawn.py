@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from app.config import AppConfig, AppError, Mode
-from app.env import detect
+from app.env import ProcessEnv
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +31,17 @@ log = logging.getLogger(__name__)
 PRELOAD = ["torch", "torch._dynamo", "app.launch.worker", "app.training.loop", "app.modes.evaluate"]
 
 
-def spawns_workers(cfg: AppConfig) -> bool:
+def spawns_workers(cfg: AppConfig, env: ProcessEnv) -> bool:
     """Whether this process will start local workers (known before devices=auto resolves)."""
-    return (detect(os.environ) is None and isinstance(cfg.devices, int)
+    return (not env.is_rank and isinstance(cfg.devices, int)
             and cfg.devices * cfg.nodes > 1 and cfg.trainer.mode in (Mode.trainval, Mode.eval))
 
 
-def prestart(cfg: AppConfig) -> None:
+def prestart(cfg: AppConfig, env: ProcessEnv) -> None:
     """Start the worker server now when workers will be needed, so that it imports torch while
     this process does its own imports. The server never runs a torch op or touches a GPU, so
     forking workers from it is safe: no CUDA context and no thread pool are inherited."""
-    if cfg.distributed.start_method == "forkserver" and spawns_workers(cfg):
+    if cfg.distributed.start_method == "forkserver" and spawns_workers(cfg, env):
         multiprocessing.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()
 

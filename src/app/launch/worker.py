@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from omegaconf import OmegaConf
 
 from app import dist
 from app.config import AppConfig, AppError, Mode
+from app.env import ProcessEnv, enter, spawned
 from app.launch import watchdog
 from app.launch.rank_logs import FAILURE_LOGGER, setup_rank_logging
 from app.launch.run_lock import hold_as_worker
@@ -28,17 +28,6 @@ from app.training.data_errors import loader_worker_died
 from app.training.runtime import apply_runtime_flags, backend_for, select_device, share_cpu_threads
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Rank:
-    """One process's place in the job."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    url: str
 
 
 def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
@@ -65,7 +54,7 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         raise died from e
 
 
-def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank,
+def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: ProcessEnv,
              on_stall: Callable[[str], None]) -> float | None:
     """Join the process group as `me`, run the mode, leave the group. `on_stall` reports the
     line that ends a stalled job (app.launch.watchdog), before the process exits."""
@@ -75,7 +64,7 @@ def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: Rank,
     device = select_device(kind, me.local_rank, cfg.distributed.set_device_rank)
     os.environ.update(cfg.distributed.nccl_env)  # opt-in NCCL_* settings, before NCCL starts
     with stacks_on_signal(run_dir / "logs" / f"rank{me.rank}.stacks"):
-        dist.init(backend_for(kind, cfg.distributed.backend), me.url, me.rank, me.world_size,
+        dist.init(backend_for(kind, cfg.distributed.backend), me.dist_url, me.rank, me.world_size,
                   me.local_rank, me.local_world_size, cfg.distributed.timeout_s)
         # Only training and evaluation tick; predict and export would look stalled.
         judged = cfg.trainer.mode in (Mode.trainval, Mode.eval)
@@ -140,8 +129,7 @@ def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, kind: str, de
     if cfg.machine_rank == 0:  # (the workers of the machine whose launcher owns the run)
         hold_as_worker(run_dir)  # no new owner of the run until this worker has ended
     _die_with_launcher(launcher_alive)
-    me = Rank(cfg.machine_rank * devices + local_rank, devices * cfg.nodes, local_rank,
-              devices, url)
+    me = enter(spawned(local_rank, devices, cfg.machine_rank, cfg.nodes, url))
     # The same variables torchrun sets, for code that reads them.
     os.environ.update(RANK=str(me.rank), WORLD_SIZE=str(me.world_size),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(devices))

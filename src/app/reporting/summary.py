@@ -21,7 +21,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from app.env import detect
+from app.env import this_process
 from app.launch.run_lock import claim_for_job, claim_for_run, refused
 from app.reporting.curves import draw_curves
 from app.reporting.plots import draw_summary
@@ -163,8 +163,7 @@ class SweepSummary(Callback):
         claim_for_run(config)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        rank_env = detect(os.environ)
-        if rank_env is not None and rank_env.rank != 0:
+        if this_process().rank != 0:
             return  # (every task of a SLURM job starts with Hydra's train.log handler)
         # A job of a sweep takes the run's lock here (a single run did in on_run_start):
         # refused, it marks nothing in the other command's train.log.
@@ -179,8 +178,7 @@ class SweepSummary(Callback):
                 handler.handle(record)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        rank_env = detect(os.environ)  # every task of a SLURM job calls this: one writes
-        if rank_env is not None and rank_env.rank != 0:
+        if this_process().rank != 0:  # every task of a SLURM job calls this: one writes
             return
         run_dir = Path(config.hydra.runtime.output_dir)
         summary = job_summary(run_dir)

@@ -105,7 +105,10 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
                  job_id: str, singleton_state: dict[type, Singleton]) -> JobReturn:
         import submitit  # lazy, as in the stock launcher
 
+        from app.env import enter
+
         assert self.hydra_context is not None and self.task_function is not None
+        enter()  # this job's place: detected once, in this process's entry
         Singleton.set_state(singleton_state)
         setup_globals()
         config = self.composed[job_num].copy()
@@ -125,15 +128,14 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         sweep goes on (app/__main__.py); its task must still exit non-zero for Slurm to mark
         the job FAILED. rank 0 of a job of many tasks raises instead."""
         import json
-        import os
 
-        from app.env import detect
+        from app.env import this_process
         from app.reporting.results import RESULT
 
         from ._job_report import JobFailed
 
         record = run_dir / RESULT
-        if detect(os.environ) is not None or not record.is_file():
+        if this_process().is_rank or not record.is_file():
             return
         ended = json.loads(record.read_text())
         if ended.get("status") == "failed":
