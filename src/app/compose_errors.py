@@ -25,6 +25,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
+from app._private import hydra_entry_utils
+
 
 def yaml_error_line(e: yaml.YAMLError) -> str:
     """`FILE, line L, column C: what is wrong (context at line L', column C')`."""
@@ -138,8 +140,7 @@ def explain_composition_errors() -> None:
     reaches the user as one line and exit status 2 instead of Hydra's report. Hydra offers no
     hook for composition errors: this replaces the module attribute its entry point calls, and
     does nothing when that attribute is missing (another Hydra) or HYDRA_FULL_ERROR is set."""
-    from hydra._internal import utils
-
+    utils = hydra_entry_utils()  # app._private: None where another Hydra lacks it
     report = getattr(utils, "run_and_report", None)
     if report is None or getattr(report, "app_wrapped", False):
         return

@@ -21,6 +21,7 @@ import socket
 import time
 from pathlib import Path
 
+from app._private import forkserver_pid as _forkserver_pid
 from app.config import AppConfig, AppError, Mode
 from app.env import ProcessEnv
 
@@ -125,12 +126,6 @@ class _Pid:
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
-
-
-def _forkserver_pid() -> int | None:
-    """multiprocessing's worker server, whose pid it does not make public: this private
-    attribute is read here only."""
-    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
 
 
 def _forkserver_death(settle_s: float = 2.0) -> str | None:

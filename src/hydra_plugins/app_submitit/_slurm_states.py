@@ -15,7 +15,7 @@ import logging
 import subprocess
 import time
 
-from submitit.slurm.slurm import SlurmInfoWatcher
+from app._private import slurm_info_watcher
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ FINAL = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL
 DELAY_S = 60
 
 
-class SlurmStates(SlurmInfoWatcher):
+class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
     """submitit's watcher, reading squeue once sacct has failed (told once, not every poll)."""
 
     def __init__(self, delay_s: int = DELAY_S) -> None:

@@ -105,6 +105,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
                  job_id: str, singleton_state: dict[type, Singleton]) -> JobReturn:
         import submitit  # lazy, as in the stock launcher
 
+        from app._private import job_error
         from app.env import enter
 
         assert self.hydra_context is not None and self.task_function is not None
@@ -118,7 +119,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
                          config=config, job_dir_key=job_dir_key,
                          job_subdir_key="hydra.sweep.subdir")
         if result.status == JobStatus.FAILED:
-            raise result._return_value
+            raise job_error(result)
         self._fail_if_recorded(self._run_dir(job_num))
         return result
 
@@ -169,13 +170,13 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         for num, overrides in zip(nums, job_overrides, strict=True):
             log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
         if self._EXECUTOR == "slurm":
-            from submitit.slurm.slurm import SlurmJob
+            from app._private import set_slurm_watcher
 
             from ._slurm_states import SlurmStates
 
             # Shared by every SlurmJob of this process (submitit's design): jobs register
             # with it when created, so it is set before submitting.
-            SlurmJob.watcher = SlurmStates()
+            set_slurm_watcher(SlurmStates())
         jobs: list[Any] = []
         try:
             jobs = executor.map_array(
@@ -198,7 +199,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
 
     def _report_left(self, jobs: list[Any], nums: list[int]) -> None:
         """After Ctrl-C: the jobs that go on without this command, and how to follow them."""
-        from submitit.slurm.slurm import SlurmJob
+        from app._private import slurm_watcher
 
         from ._slurm_states import FINAL
 
@@ -207,11 +208,11 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
                       "yours with `squeue -u $USER`)")
             return
         try:
-            SlurmJob.watcher.update()
+            slurm_watcher().update()
         except KeyboardInterrupt:  # a second Ctrl-C: the states known so far will do
             pass
         for job, num in zip(jobs, nums, strict=True):
-            state = SlurmJob.watcher.get_state(job.job_id, mode="cache").split()[0]
+            state = slurm_watcher().get_state(job.job_id, mode="cache").split()[0]
             finished = all(job.task(t).paths.result_pickle.exists()
                            for t in range(job.num_tasks))
             if finished or state in FINAL:
@@ -245,8 +246,10 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
             self._record_end(num, how.lower(), f"slurm job {job.job_id}{task_part}: {what}")
         # Reported here and in the sweep's summary (its summary ends the command non-zero);
         # the sweep itself goes on, and NaN is what sweepers take for a failed trial.
-        return JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
-                         _return_value=math.nan, working_dir=str(self._run_dir(num)))
+        nan = JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
+                        working_dir=str(self._run_dir(num)))
+        nan.return_value = math.nan  # the public setter (the field is `_return_value`)
+        return nan
 
     def _record_end(self, num: int, status: str, error: str) -> None:
         """Record in the run directory how Slurm ended the job, for the sweep's summary (which
