@@ -107,3 +107,14 @@ def test_a_yaml_error_inside_the_job_is_the_jobs_not_a_config_files() -> None:
     with pytest.raises(yaml.YAMLError) as raised:
         yaml.safe_load("a: [1")
     assert explain(raised.value) is not None  # the same error from composition is explained
+
+
+@pytest.mark.parametrize("override,line", [
+    ("ema=true", "ema was renamed to trainer.ema: write trainer.ema=true"),
+    ("trainer.input=x.npy", "trainer.input was renamed to predict.input: write "
+                            "predict.input=x.npy"),
+    ("trainer.num_show=4", "trainer.num_show was renamed to predict.num_show"),
+    ("trainer.export_tolerance=0.1", "trainer.export_tolerance was renamed to export.tolerance"),
+])
+def test_a_renamed_key_names_its_new_name(override: str, line: str) -> None:
+    assert explain(_composition_error(override)).startswith(line)

@@ -148,3 +148,29 @@ def test_the_largest_seed_trains(tmp_path) -> None:
     validate(cfg)
     train(cfg, tmp_path, torch.device("cpu"))
     assert (tmp_path / "checkpoints" / "last.pt").is_file()
+
+
+def test_mode_only_keys_sit_in_their_modes_nodes_and_ema_under_trainer() -> None:
+    cfg = make_config("trainer=predict", "ckpt=x.pt", "predict.input=a.npy",
+                      "predict.num_show=4", "export.tolerance=0.5", "trainer.ema=true")
+    assert (cfg.predict.input, cfg.predict.num_show, cfg.export.tolerance) == ("a.npy", 4, 0.5)
+    assert cfg.trainer.ema and not hasattr(cfg.trainer, "input") and not hasattr(cfg, "ema")
+    with pytest.raises(UserError, match="predict.num_show=0"):
+        validate(make_config("predict.num_show=0"))
+
+
+@pytest.mark.parametrize("override,line", [
+    ("+trainer.input=a.npy", "trainer.input was renamed to predict.input"),
+    ("+ema=true", "ema was renamed to trainer.ema"),
+])
+def test_a_renamed_key_added_with_plus_names_its_new_name(override: str, line: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from app.config import register_schemas, to_app_config
+
+    register_schemas()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = compose("config", overrides=[override])
+    with pytest.raises(UserError) as err:
+        to_app_config(composed)
+    assert str(err.value) == line

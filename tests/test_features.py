@@ -74,7 +74,7 @@ def test_ema_ramps_up_and_follows_the_model() -> None:
 
 
 def test_ema_validates_is_checkpointed_and_is_what_eval_uses(tmp_path) -> None:
-    run_dir = assert_ok(run_app(tmp_path / "ema", *FAST, "ema=true",
+    run_dir = assert_ok(run_app(tmp_path / "ema", *FAST, "trainer.ema=true",
                                 "trainer.ema_warmup_steps=10")).run_dir
     state = load_state(run_dir / "checkpoints" / "best.pt")
     ema = state["train_step"]["ema"]
@@ -196,8 +196,9 @@ def test_loader_workers_with_augmentation_resume_exactly(tmp_path) -> None:
 
 
 def test_resume_is_exact_with_ema_accumulation_and_bf16_mixed(tmp_path) -> None:
-    overrides = [*TINY, "trainer.max_epochs=3", "ema=true", "trainer.accumulate_grad_batches=2",
-                 "precision=bf16-mixed", "trainer.ckpt_every_n_steps=4", "trainer.keep_last=100"]
+    overrides = [*TINY, "trainer.max_epochs=3", "trainer.ema=true",
+                 "trainer.accumulate_grad_batches=2", "precision=bf16-mixed",
+                 "trainer.ckpt_every_n_steps=4", "trainer.keep_last=100"]
     reference = assert_ok(run_app(tmp_path / "reference", *overrides)).run_dir
     # 11 optimizer steps per epoch: step 16 lies in the middle of epoch 2
     resumed = assert_ok(run_app(tmp_path / "resumed", *overrides,

@@ -25,7 +25,7 @@ VALID = {
     "model": ["cnn", "mlp"], "optimizer": ["adamw", "sgd"],
     "scheduler": ["cosine", "step", "constant"], "optimizer.lr": ["0.01", "3e-4"],
     "seed": ["0", "7", "123456", "4294967295"], "data.shift": ["0", "1"],
-    "precision": ["32", "bf16-mixed"], "ema": ["true", "false"],
+    "precision": ["32", "bf16-mixed"], "trainer.ema": ["true", "false"],
     "trainer.accumulate_grad_batches": ["1", "2"], "trainer.grad_clip_norm": ["null", "1.0"],
     "data.batch_size": ["16", "64"], "trainer.keep_last": ["0", "1"],
     "trainer.skip_nonfinite": ["true"], "logger": ["csv", "tensorboard"],
@@ -39,7 +39,7 @@ VALID = {
 
 # Each of these must make a set fail: (override, a word the error must contain).
 WRONG_TYPE = [("trainer.max_steps=abc", "trainer.max_steps"), ("devices=two", "devices"),
-              ("optimizer.lr=fast", "fast"), ("ema=maybe", "ema"),
+              ("optimizer.lr=fast", "fast"), ("trainer.ema=maybe", "ema"),
               ("trainer.keep_last=1.5", "keep_last"), ("model.channels=8", "channels"),
               ("data.batch_size=[1,2]", "batch_size"), ("nodes=[1]", "nodes"),
               ("trainer.max_steps=3.7", "max_steps"), ("seed=true", "seed"),
@@ -72,7 +72,7 @@ ODD = [("model.hidden=[", "["), ("seed=${{oops}}", "oops"), ("trainer.monitor=va
                                                              "val/nope"),
        ("dist_url=http://x:{i}", "dist_url"), ("accelerator=tpu{i}", "accelerator"),
        ("precision=64", "precision"), ("ckpt=/no/such/file{i}.pt", "file"),
-       ("resume=/no/such/run{i}.pt", "run"), ("trainer.input=Ω{i}", "trainer.input"),
+       ("resume=/no/such/run{i}.pt", "run"), ("predict.input=Ω{i}", "predict.input"),
        ("model._target_=nope.Nope{i}", "nope"), ("model._target_=os.getcwd", "model"),
        ("distributed.start_method=thread", "start_method"), ("data.input_shape=[]", "input"),
        ("trainer=predict", "ckpt"), ("model.channels=[0,16]", "channels"),

@@ -51,7 +51,7 @@ def test_eval_reproduces_the_recorded_accuracy(trained, tmp_path) -> None:
 def test_predict_on_validation_split(trained, tmp_path) -> None:
     ckpt = trained / "checkpoints" / "best.pt"
     result = assert_ok(run_app(tmp_path / "pred", "trainer=predict", f"ckpt={ckpt}",
-                               "model.channels=[8,16]", "trainer.num_show=16"))
+                               "model.channels=[8,16]", "predict.num_show=16"))
     with open(result.run_dir / "predictions.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 359
@@ -82,10 +82,10 @@ def test_predict_on_npy_and_image_folder(trained, tmp_path) -> None:
             folder / f"{i:02d}.png")
     ckpt = trained / "checkpoints" / "best.pt"
     reference = [r["pred"] for r in _predict(tmp_path / "val", ckpt)[:10]]
-    from_npy = _predict(tmp_path / "npy", ckpt, f"trainer.input={tmp_path / 'inputs.npy'}")
+    from_npy = _predict(tmp_path / "npy", ckpt, f"predict.input={tmp_path / 'inputs.npy'}")
     assert [r["pred"] for r in from_npy] == reference
     assert all(r["label"] == "" for r in from_npy)
-    from_pngs = _predict(tmp_path / "png", ckpt, f"trainer.input={folder}")
+    from_pngs = _predict(tmp_path / "png", ckpt, f"predict.input={folder}")
     assert [r["input"] for r in from_pngs] == [str(folder / f"{i:02d}.png") for i in range(10)]
     # 8-bit PNGs round the pixels; a prediction may flip, not more than one.
     assert sum(r["pred"] != p for r, p in zip(from_pngs, reference, strict=True)) <= 1
@@ -203,5 +203,5 @@ def test_predict_inputs_that_cannot_be_read_name_the_file(tmp_path) -> None:
         with pytest.raises(UserError) as err:
             load_inputs(str(path), _Digits())
         message = str(err.value)
-        assert words in message and f"trainer.input={path}" in message, (case, message)
+        assert words in message and f"predict.input={path}" in message, (case, message)
         assert "\n" not in message, (case, message)

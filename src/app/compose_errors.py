@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from app._private import hydra_entry_utils
+from app.config import renamed
 
 
 def yaml_error_line(e: yaml.YAMLError) -> str:
@@ -131,7 +132,8 @@ def explain(e: BaseException) -> str | None:
         match = re.match(r"Could not override '([^']+)'", str(e))
         if match:
             value = re.search(r"use \+\S+?=(.*)$", str(e), re.M)
-            return missing_key_line(match[1], value[1] if value else None, cause)
+            value = value[1] if value else None
+            return renamed(match[1], value) or missing_key_line(match[1], value, cause)
     return None
 
 

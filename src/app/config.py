@@ -1,8 +1,25 @@
-"""Typed schemas of the knob groups and the checks Hydra's types cannot express.
+"""The config's shape, its typed schemas, and the checks Hydra's types cannot express.
 
-The schemas are registered in Hydra's ConfigStore and sit first in `conf/config.yaml`'s
-defaults list, so a misspelt key or a wrong type fails at compose time. Object groups
-(model, data, optimizer, scheduler) stay untyped `_target_` nodes.
+Where a key goes (docs/configuration.md says the same with examples):
+
+1. Top level: the job as a whole, keys most commands set: where it runs (accelerator,
+   device_id, accelerator_strict, devices, nodes, machine_rank, dist_url), what it starts
+   from (seed, ckpt, ckpt_strict, resume), how its arithmetic is done on that hardware
+   (precision, compile, deterministic, tf32), and occupy, detail.
+2. `trainer`: the mode (`trainer=trainval|eval|predict|export`) and the training algorithm:
+   how long, how often to validate, log and checkpoint, what is best (monitor), and how a
+   step changes the weights (accumulation, clipping, non-finite losses, decay of norms, lr
+   scaling, the EMA of the weights: `trainer.ema`, `trainer.ema_decay`, ...).
+3. A key that only one other mode reads sits in a node named after that mode: `predict`,
+   `export`.
+4. A component with settings of its own is its own node, picked by the group of that name:
+   `distributed`, `logger` (typed here); `model`, `data`, `optimizer`, `scheduler`,
+   `callbacks` (untyped `_target_` nodes: their keys are the constructor's arguments).
+
+A closed set of values is an Enum, so that a wrong value fails while Hydra composes
+(app.compose_errors words it). A key that moved is in RENAMED: its old name fails with
+"OLD was renamed to NEW". The schemas are registered in Hydra's ConfigStore and sit first in
+`conf/config.yaml`'s defaults list, so a misspelt key or a wrong type fails at compose time.
 """
 
 from __future__ import annotations
@@ -50,16 +67,29 @@ class TrainerConfig:
     monitor: str = "val/acc"
     monitor_mode: MonitorMode = MonitorMode.max
     progress_bar: bool | None = None
-    input: str | None = None
-    num_show: int = 32
-    export_tolerance: float = 1e-5
     accumulate_grad_batches: int = 1
     grad_clip_norm: float | None = None
     skip_nonfinite: bool = False
+    ema: bool = False
     ema_decay: float = 0.9998
     ema_warmup_steps: int = 2000
     decay_norm_and_bias: bool = False
     lr_scale_batch: int | None = None
+
+
+@dataclass
+class PredictConfig:
+    """Read by `trainer=predict` only."""
+
+    input: str | None = None
+    num_show: int = 32
+
+
+@dataclass
+class ExportConfig:
+    """Read by `trainer=export` only."""
+
+    tolerance: float = 1e-5
 
 
 @dataclass
@@ -93,6 +123,8 @@ class AppConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     model: Any = None
     data: Any = None
     optimizer: Any = None
@@ -110,7 +142,6 @@ class AppConfig:
     ckpt_strict: bool = True
     resume: str | None = "auto"
     precision: str = "32"
-    ema: bool = False
     compile: bool = False
     deterministic: bool = False
     tf32: bool | None = None
@@ -119,6 +150,23 @@ class AppConfig:
 
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+
+# Keys that moved (old -> new), for the one-line error an old command line gets.
+RENAMED = {
+    "ema": "trainer.ema",
+    "trainer.input": "predict.input",
+    "trainer.num_show": "predict.num_show",
+    "trainer.export_tolerance": "export.tolerance",
+}
+
+
+def renamed(key: str, value: str | None = None) -> str | None:
+    """`OLD was renamed to NEW` when `key` (as typed, maybe with `+`) is a key that moved."""
+    new = RENAMED.get(key.lstrip("+~"))
+    if new is None:
+        return None
+    return f"{key.lstrip('+~')} was renamed to {new}" + (
+        f": write {new}={value}" if value is not None else "")
 
 
 def to_app_config(composed: Any) -> AppConfig:
@@ -149,7 +197,9 @@ def _unknown_keys(node: DictConfig, path: str = "") -> list[str]:
     found = []
     for key in node.keys():
         full = f"{path}{key}"
-        if key not in names:
+        if key not in names and (moved := renamed(full)):
+            found.append(moved)
+        elif key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {path}{near[0]}?)" if near else ""
             found.append(f"{full}: not a key of the config{hint}; "
@@ -210,8 +260,8 @@ def validate(cfg: AppConfig) -> None:
     ):
         _positive(f"trainer.{key}", getattr(t, key))
     _positive("trainer.log_every_n_steps", t.log_every_n_steps, allow_none=False)
-    _positive("trainer.num_show", t.num_show, allow_none=False)
-    _positive("trainer.export_tolerance", t.export_tolerance, allow_none=False)
+    _positive("predict.num_show", cfg.predict.num_show, allow_none=False)
+    _positive("export.tolerance", cfg.export.tolerance, allow_none=False)
     if t.keep_last < 0:
         raise UserError(f"trainer.keep_last={t.keep_last}: must be 0 or more")
     if t.mode != Mode.trainval and cfg.ckpt is None:

@@ -53,13 +53,13 @@ def run_export(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     diffs = {"torchscript": _max_diff(ts_loaded(check), eager),
              "torch_export": _max_diff(pt2_loaded(check), eager)}
     write_text_atomically(out_dir / "check.json", json.dumps(
-        {"batch_size": len(check), "tolerance": cfg.trainer.export_tolerance,
+        {"batch_size": len(check), "tolerance": cfg.export.tolerance,
          "max_abs_diff": diffs}, indent=2) + "\n")
-    bad = {k: v for k, v in diffs.items() if not v <= cfg.trainer.export_tolerance}
+    bad = {k: v for k, v in diffs.items() if not v <= cfg.export.tolerance}
     if bad:
         raise ExportMismatch(
             f"exported model differs from the eager model beyond "
-            f"trainer.export_tolerance={cfg.trainer.export_tolerance}: {bad}")
+            f"export.tolerance={cfg.export.tolerance}: {bad}")
     log.info("exported %s and %s; max abs diff vs eager on %d inputs: %s",
              ts_path, pt2_path, len(check), diffs)
     return max(diffs.values())

@@ -31,20 +31,20 @@ def _from_npy(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
         array = np.load(path, allow_pickle=False)
     except (ValueError, EOFError, OSError) as e:  # a pickle, an empty or truncated file
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"trainer.input={path}: not a readable .npy array ({reason})") from None
+        raise UserError(f"predict.input={path}: not a readable .npy array ({reason})") from None
     if array.dtype.kind not in "biuf":
         kind = {"U": "strings", "S": "byte strings", "c": "complex numbers"}.get(
             array.dtype.kind, f"{array.dtype} values")
-        raise UserError(f"trainer.input={path}: an array of {kind}; the model takes real "
+        raise UserError(f"predict.input={path}: an array of {kind}; the model takes real "
                         f"numbers (save a float array)")
     if array.ndim > 0 and array.shape[0] == 0:
-        raise UserError(f"trainer.input={path}: the array holds no samples (shape "
+        raise UserError(f"predict.input={path}: the array holds no samples (shape "
                         f"{list(array.shape)})")
     if array.ndim == len(shape) and len(shape) == 3 and shape[0] == 1:
         array = array[:, None]  # (N, H, W) for one-channel images
     if tuple(array.shape[1:]) != shape:
         raise UserError(
-            f"trainer.input={path}: arrays of shape {list(array.shape)}, the model takes "
+            f"predict.input={path}: arrays of shape {list(array.shape)}, the model takes "
             f"(N, {', '.join(map(str, shape))})"
         )
     return torch.from_numpy(array.astype(np.float32))
@@ -54,10 +54,10 @@ def _from_folder(path: Path, shape: tuple[int, ...]) -> tuple[torch.Tensor, list
     from PIL import Image  # pillow comes with matplotlib; imported only for this mode
 
     if len(shape) != 3 or shape[0] not in (1, 3):
-        raise UserError(f"trainer.input={path}: image folders need a 1- or 3-channel image model")
+        raise UserError(f"predict.input={path}: image folders need a 1- or 3-channel image model")
     files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
-        raise UserError(f"trainer.input={path}: no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+        raise UserError(f"predict.input={path}: no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
     channels, height, width = shape
     arrays = []
     for file in files:
@@ -67,7 +67,7 @@ def _from_folder(path: Path, shape: tuple[int, ...]) -> tuple[torch.Tensor, list
                 array = np.asarray(image, dtype=np.float32) / 255.0
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"trainer.input={path}: {file.name} is not a readable image "
+            raise UserError(f"predict.input={path}: {file.name} is not a readable image "
                             f"({reason}); remove or replace it") from None
         arrays.append(array[None] if channels == 1 else array.transpose(2, 0, 1))
     return torch.from_numpy(np.stack(arrays)), [str(f) for f in files]
@@ -87,7 +87,7 @@ def load_inputs(
     if path.is_file() and path.suffix == ".npy":
         x = _from_npy(path, data.input_shape)
         return x, None, [f"{path.name}[{i}]" for i in range(len(x))]
-    raise UserError(f"trainer.input={source}: expected a folder of images or a .npy file")
+    raise UserError(f"predict.input={source}: expected a folder of images or a .npy file")
 
 
 def save_grid(
@@ -132,7 +132,7 @@ def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | 
     data = build_data(cfg)
     model, _ = build_trained_model(cfg, data)
     model.to(device)
-    x, y, names = load_inputs(cfg.trainer.input, data)
+    x, y, names = load_inputs(cfg.predict.input, data)
     probs = torch.cat([
         model(batch.to(device)).softmax(1).cpu() for batch in x.split(data.val_batch_size)])
     confidence, preds = probs.max(1)
@@ -143,7 +143,7 @@ def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | 
         label = "" if y is None else int(y[i])
         writer.writerow([i, name, int(preds[i]), f"{confidence[i]:.6f}", label])
     write_text_atomically(run_dir / "predictions.csv", table.getvalue())
-    shown = min(cfg.trainer.num_show, len(x))
+    shown = min(cfg.predict.num_show, len(x))
     labels = None if y is None else y[:shown].tolist()
     accuracy = None if y is None else (preds == y).double().mean().item()
     title = f"{Path(str(cfg.ckpt)).name}: {len(x)} inputs" + (
