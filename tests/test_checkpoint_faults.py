@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from app.checkpoint import io as checkpoint
+from app.checkpoint import manager
 from app.errors import UserError
 from app.launch.worker import worker
 from app.training.build import build_data, build_model
@@ -66,9 +67,9 @@ def test_a_resume_from_a_checkpoint_that_was_not_the_best_leaves_best_pt_alone(t
         torch.save({"model": {}}, ckpts / f"step-{step:08d}.pt")
     checkpoint.link(ckpts / "step-00000001.pt", ckpts / "best.pt")
     checkpoint.link(ckpts / "step-00000002.pt", ckpts / "last.pt")
-    checkpoint.repair_names(ckpts, ckpts / "last.pt", {"is_best": False})
+    manager.repair_names(ckpts, ckpts / "last.pt", {"is_best": False})
     assert os.path.samefile(ckpts / "best.pt", ckpts / "step-00000001.pt")
-    checkpoint.repair_names(ckpts, ckpts / "step-00000002.pt", {"is_best": True})
+    manager.repair_names(ckpts, ckpts / "step-00000002.pt", {"is_best": True})
     assert os.path.samefile(ckpts / "best.pt", ckpts / "step-00000002.pt")
 
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from app import dist
 from app.checkpoint import io as checkpoint
+from app.checkpoint import manager
 from app.config import AppError, UserError
 from app.reporting.loggers import CSVLogger
 from app.schedulers import constant, step, warmup_cosine
@@ -31,8 +32,8 @@ def test_save_is_atomic_and_links_share_one_file(tmp_path) -> None:
     second = d / checkpoint.periodic_name(2)
     checkpoint.save({"model": {"w": torch.zeros(3)}}, second)
     checkpoint.link(second, d / "last.pt")
-    assert torch.equal(checkpoint.load(d / "last.pt")["model"]["w"], torch.zeros(3))
-    assert torch.equal(checkpoint.load(first)["model"]["w"], torch.ones(3))
+    assert torch.equal(manager.load(d / "last.pt")["model"]["w"], torch.zeros(3))
+    assert torch.equal(manager.load(first)["model"]["w"], torch.ones(3))
     assert not list(d.glob(".*.tmp"))
 
 
@@ -47,7 +48,7 @@ def test_failed_write_keeps_previous_file(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(torch, "save", broken_save)
     with pytest.raises(AppError, match="could not be written .* already on disk are intact"):
         checkpoint.save({"model": {"w": torch.zeros(2)}}, path)
-    assert torch.equal(checkpoint.load(path)["model"]["w"], torch.ones(2))
+    assert torch.equal(manager.load(path)["model"]["w"], torch.ones(2))
     assert not list(tmp_path.glob(".*.tmp"))  # the partial file is gone
 
 
@@ -64,22 +65,22 @@ def test_prune_keeps_newest_and_named_links(tmp_path) -> None:
 
 def test_load_errors_name_the_file(tmp_path) -> None:
     with pytest.raises(UserError, match="not found"):
-        checkpoint.load(tmp_path / "nope.pt")
+        manager.load(tmp_path / "nope.pt")
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"\x00" * 100)
     with pytest.raises(UserError, match="garbage.pt"):
-        checkpoint.load(garbage)
+        manager.load(garbage)
     # Random bytes make the unpickler fail in many ways (IndexError, KeyError, ...): each is
     # a UserError naming the file, never a traceback.
     rng = random.Random(0)
     for _ in range(300):
         garbage.write_bytes(rng.randbytes(rng.choice((8, 64, 2048))))
         with pytest.raises(UserError, match="garbage.pt"):
-            checkpoint.load(garbage)
+            manager.load(garbage)
     other = tmp_path / "other.pt"
     torch.save({"weights": 1}, other)
     with pytest.raises(UserError, match="not an app checkpoint"):
-        checkpoint.load(other)
+        manager.load(other)
 
 
 def test_mismatched_weights_list_the_differences() -> None:
@@ -87,7 +88,7 @@ def test_mismatched_weights_list_the_differences() -> None:
     state = {"model": {"weight": torch.zeros(3, 4), "extra": torch.zeros(1)},
              "config": {"model": {"_target_": "x.Y"}}}
     with pytest.raises(UserError) as err:
-        checkpoint.load_model_weights(model, state, "c.pt")
+        manager.load_model_weights(model, state, "c.pt")
     message = str(err.value)
     assert "missing: bias" in message and "unexpected: extra" in message
     assert "weight (3, 4) vs (2, 4)" in message and "x.Y" in message

@@ -46,12 +46,10 @@ def evaluate(
 
 def run_eval(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     data = build_data(cfg)
-    model, state = build_trained_model(cfg, data)
+    model, (step, epoch) = build_trained_model(cfg, data)  # (0, 0) for a weights-only file
     metrics, count = evaluate(model.to(device), build_val_loader(data), device)
-    loop = state.get("loop") or {}  # a weights-only file (no loop record) evaluates too
-    step = loop.get("step", 0)
     if dist.is_main():
-        CSVLogger(run_dir / "metrics.csv").log(step, loop.get("epoch", 0), "val", metrics)
+        CSVLogger(run_dir / "metrics.csv").log(step, epoch, "val", metrics)
         record = {"ckpt": str(cfg.ckpt), "step": step, "num_samples": count,
                   "world_size": dist.world_size(), **metrics}
         write_text_atomically(run_dir / "eval.json", json.dumps(record, indent=2) + "\n")

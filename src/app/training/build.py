@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from app import dist
-from app.checkpoint import io as checkpoint
+from app.checkpoint import manager as checkpoint
 from app.config import AppConfig, UserError
 from app.data import DataModule
 from app.training.data_errors import NamedItems, no_async_worker_errors
@@ -56,14 +56,13 @@ def build_model(cfg: AppConfig, data: DataModule) -> nn.Module:
     return model
 
 
-def build_trained_model(cfg: AppConfig, data: DataModule) -> tuple[nn.Module, dict[str, Any]]:
+def build_trained_model(cfg: AppConfig, data: DataModule
+                        ) -> tuple[nn.Module, checkpoint.TrainedAt]:
     """The model of `cfg` with the weights of `cfg.ckpt` that validation used (EMA's when the
-    run kept one), in eval mode, on the CPU; and the checkpoint."""
+    run kept one), in eval mode, on the CPU; and the step and epoch they were saved at."""
     model = build_model(cfg, data)
-    state = checkpoint.load(cfg.ckpt)
-    checkpoint.load_model_weights(model, state, cfg.ckpt,
-                                  weights=checkpoint.inference_weights(state))
-    return model.eval(), state
+    trained_at = checkpoint.load_inference_weights(model, cfg.ckpt)
+    return model.eval(), trained_at
 
 
 def model_summary(model: nn.Module) -> str:
