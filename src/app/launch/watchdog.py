@@ -47,6 +47,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from app._private import process_group_store
 from app.launch.stacks import is_stopped, running, stacks_on_signal, wake_to_dump
 
 log = logging.getLogger(__name__)
@@ -218,18 +219,10 @@ def describe(peers: list[Peer], culprits: list[Peer], now: float, stall_s: float
             f"job was ended (distributed.stall_timeout_s={stall_s:g}); {stacks}")
 
 
-def _process_group_store() -> Any:
-    """The default process group's store. PyTorch has no public accessor for it: this is the
-    one place that reaches into its internals (`_get_default_store`)."""
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
-
-
 def _store_client() -> Any:
     """A connection of this thread's own to the process group's store (None: none to have)."""
     try:
-        store = _process_group_store()
+        store = process_group_store()  # PyTorch has no public accessor
     except (AttributeError, ImportError, RuntimeError, ValueError):
         return None
     if hasattr(store, "clone"):  # a connection of its own, safe beside the process group's

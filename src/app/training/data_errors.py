@@ -8,9 +8,8 @@ import time
 from typing import Any
 
 from torch.utils.data import Dataset
-from torch.utils.data._utils import signal_handling
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from app._private import loader_workers, no_sigchld_handler
 from app.errors import AppError
 
 
@@ -67,7 +66,7 @@ def no_async_worker_errors() -> None:
     itself, at the next batch it waits for (its status check runs every 5 s), and raises
     there, where the loop can report it.
     """
-    signal_handling._SIGCHLD_handler_set = True
+    no_sigchld_handler()
 
 
 def loader_worker_died(error: BaseException) -> AppError | None:
@@ -80,11 +79,11 @@ def loader_worker_died(error: BaseException) -> AppError | None:
     can be seen: the workers are then given a moment to be found dead.
     """
     said_so = isinstance(error, RuntimeError) and "DataLoader worker" in str(error)
-    loader = _loader_in_traceback(error)
-    if not said_so and not (loader is not None and isinstance(error, (ConnectionError,
-                                                                      EOFError))):
+    workers = _loader_workers_in_traceback(error)
+    if not said_so and not (workers is not None and isinstance(error, (ConnectionError,
+                                                                       EOFError))):
         return None
-    what = _worker_exits(loader, wait_s=0 if said_so else 5) or \
+    what = _worker_exits(workers or [], wait_s=0 if said_so else 5) or \
         (str(error).strip().splitlines() or [type(error).__name__])[0]
     if not said_so and not what.startswith("DataLoader worker"):
         what = f"a loader worker stopped answering ({type(error).__name__}: {what})"
@@ -93,22 +92,22 @@ def loader_worker_died(error: BaseException) -> AppError | None:
                     f"training process)")
 
 
-def _loader_in_traceback(error: BaseException) -> _MultiProcessingDataLoaderIter | None:
-    """The loader iterator whose method raised `error`, read from its traceback."""
-    loader = None
+def _loader_workers_in_traceback(error: BaseException) -> list[Any] | None:
+    """The worker processes of the loader iterator whose method raised `error`, read from its
+    traceback (None: no such loader)."""
+    workers = None
     tb = error.__traceback__
     while tb is not None:
-        candidate = tb.tb_frame.f_locals.get("self")
-        if isinstance(candidate, _MultiProcessingDataLoaderIter):
-            loader = candidate
+        found = loader_workers(tb.tb_frame.f_locals.get("self"))
+        if found is not None:
+            workers = found
         tb = tb.tb_next
-    return loader
+    return workers
 
 
-def _worker_exits(loader: _MultiProcessingDataLoaderIter | None, wait_s: float) -> str | None:
+def _worker_exits(workers: list[Any], wait_s: float) -> str | None:
     """How the loader's dead workers ended ("DataLoader worker (pid 12) was killed by SIGKILL");
     None where none is found dead within `wait_s`."""
-    workers = list(getattr(loader, "_workers", ()))
     deadline = time.monotonic() + wait_s
     ended = [w for w in workers if w.exitcode is not None]
     while not ended and workers and time.monotonic() < deadline:

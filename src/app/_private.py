@@ -1,0 +1,107 @@
+"""Every reach into another library's private internals, in one place.
+
+PyTorch, Hydra, submitit and multiprocessing offer no public way to do these few things.
+Each accessor checks that what it reaches for is there; tests/test_private.py exercises each
+one on the installed versions, so an upgrade that moves one fails there, by name, rather than
+somewhere inside a run. Where a caller can do without (a less precise message), a missing
+internal reads as "nothing to report", as the callers did before this module.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+from typing import Any
+
+
+class InternalMissing(RuntimeError):
+    """A private attribute app relies on is gone: an upgrade moved it (see app._private)."""
+
+
+def _attr(owner: Any, name: str) -> Any:
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        where = getattr(owner, "__name__", type(owner).__name__)
+        raise InternalMissing(f"{where}.{name} is gone: this version changed an internal "
+                              f"that app._private reaches for") from None
+
+
+# PyTorch ------------------------------------------------------------------------------------
+
+def process_group_store() -> Any:
+    """The default process group's store (the watchdog's own connection is cloned from it)."""
+    from torch.distributed import distributed_c10d
+
+    return _attr(distributed_c10d, "_get_default_store")()
+
+
+def loader_workers(obj: Any) -> list[Any] | None:
+    """The worker processes of `obj` if it is a DataLoader iterator that has workers, else
+    None (also when the internals are gone: this runs while an error is being reported)."""
+    from torch.utils.data import dataloader
+
+    kind = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
+    if kind is None or not isinstance(obj, kind):
+        return None
+    return list(getattr(obj, "_workers", ()))
+
+
+def no_sigchld_handler() -> None:
+    """Mark PyTorch's DataLoader SIGCHLD handler as installed already, so it never is (when
+    the flag is gone, PyTorch's handler reports a dead worker, as it would anyway)."""
+    from torch.utils.data._utils import signal_handling
+
+    if hasattr(signal_handling, "_SIGCHLD_handler_set"):
+        signal_handling._SIGCHLD_handler_set = True
+
+
+# multiprocessing ----------------------------------------------------------------------------
+
+def forkserver_pid() -> int | None:
+    """The pid of multiprocessing's worker server (None: not started, or not to be found)."""
+    try:
+        return _attr(_attr(multiprocessing.forkserver, "_forkserver"), "_forkserver_pid")
+    except InternalMissing:
+        return None
+
+
+# Hydra --------------------------------------------------------------------------------------
+
+def hydra_entry_utils() -> Any | None:
+    """The module whose `run_and_report` Hydra's entry point looks up at each call (replacing
+    it is the only way in to composition errors); None where another Hydra lacks it."""
+    try:
+        from hydra._internal import utils
+    except ImportError:
+        return None
+    return utils if hasattr(utils, "run_and_report") else None
+
+
+def job_error(result: Any) -> BaseException:
+    """The exception a failed Hydra job raised (`JobReturn.return_value` re-raises it, but
+    writes a line to stderr first)."""
+    return _attr(result, "_return_value")
+
+
+# submitit -----------------------------------------------------------------------------------
+
+def slurm_info_watcher() -> type:
+    """submitit's class that polls sacct for job states (subclassed to add squeue)."""
+    from submitit.slurm.slurm import SlurmInfoWatcher
+
+    return SlurmInfoWatcher
+
+
+def set_slurm_watcher(watcher: Any) -> None:
+    """Make `watcher` the one every SlurmJob of this process registers with (submitit keeps a
+    single watcher as a class attribute): set it before submitting."""
+    from submitit.slurm.slurm import SlurmJob
+
+    _attr(SlurmJob, "watcher")
+    SlurmJob.watcher = watcher
+
+
+def slurm_watcher() -> Any:
+    from submitit.slurm.slurm import SlurmJob
+
+    return _attr(SlurmJob, "watcher")
