@@ -12,7 +12,7 @@ from PIL import Image
 
 from app.callbacks import Callbacks
 from app.config import UserError
-from app.training import runtime
+from app.launch import plan
 from conftest import TINY, assert_ok, load_state, make_config, read_metrics, run_app
 
 # Validation every 4 steps; the learning rate so small that val/acc cannot move: a plateau.
@@ -206,8 +206,8 @@ def test_device_id_picks_one_device_or_says_which_exist(tmp_path, monkeypatch) -
     assert result.returncode == 2
     assert "device_id=3: cpu has one device" in result.output
     # The GPU path, with two visible devices out of a machine's several.
-    monkeypatch.setattr(runtime, "device_count", lambda kind: 2)
+    monkeypatch.setattr(plan, "device_count", lambda kind: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
     with pytest.raises(UserError, match=r"device_id=3: 2 cuda device\(s\) are visible \(0 to 1; "
                                         r"CUDA_VISIBLE_DEVICES=4,6\)"):
-        runtime.select_device_id("cuda", 3)
+        plan.check_device_id("cuda", 3)

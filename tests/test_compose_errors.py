@@ -118,3 +118,16 @@ def test_a_yaml_error_inside_the_job_is_the_jobs_not_a_config_files() -> None:
 ])
 def test_a_renamed_key_names_its_new_name(override: str, line: str) -> None:
     assert explain(_composition_error(override)).startswith(line)
+
+
+@pytest.mark.parametrize("override,line", [
+    ("precision=16", "precision=16: expected one of 32, bf16-mixed, 16-mixed, bf16-true"),
+    ("accelerator=tpu", "accelerator=tpu: expected one of auto, cuda, cpu, mps, npu, xpu, hpu"),
+    ("trainer.monitor=val/f1", "trainer.monitor=val/f1: expected one of val/acc, val/loss"),
+    ("trainer.monitor_mode=up", "trainer.monitor_mode=up: expected one of max, min"),
+    ("distributed.start_method=thread",
+     "distributed.start_method=thread: expected one of spawn, forkserver, fork"),
+])
+def test_a_value_outside_a_closed_set_fails_at_compose_in_one_line(override: str,
+                                                                   line: str) -> None:
+    assert explain(_composition_error(override)) == line

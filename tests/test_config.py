@@ -89,7 +89,6 @@ def test_wrong_enum_fails_at_compose() -> None:
     (["devices=many"], "devices=many"),
     (["nodes=2", "machine_rank=2", "dist_url=tcp://h:1"], "machine_rank=2"),
     (["dist_url=localhost"], "dist_url=localhost"),
-    (["distributed.start_method=thread"], "distributed.start_method=thread"),
     (["seed=9223372036854775807"], "seed=9223372036854775807: a seed is a whole number from 0 "
                                    "to 4294967295"),
     (["seed=4294967296"], "seed=4294967296"),
@@ -174,3 +173,12 @@ def test_a_renamed_key_added_with_plus_names_its_new_name(override: str, line: s
     with pytest.raises(UserError) as err:
         to_app_config(composed)
     assert str(err.value) == line
+
+
+def test_closed_sets_take_their_strings_and_compare_as_strings() -> None:
+    cfg = make_config("precision=32", "accelerator=cpu", "trainer.monitor=val/loss",
+                      "distributed.start_method=spawn")
+    assert cfg.precision == "32" and f"{cfg.precision}" == "32"  # the int 32 of the override
+    assert (cfg.accelerator, cfg.trainer.monitor) == ("cpu", "val/loss")
+    assert {"spawn": 1}[cfg.distributed.start_method] == 1  # hashes as its string
+    assert make_config("precision=bf16-mixed").precision == "bf16-mixed"

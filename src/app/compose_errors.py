@@ -3,10 +3,10 @@ one line.
 
 Hydra composes the config before our task function runs, inside its own error handler
 (`hydra._internal.utils.run_and_report`): a YAML file it cannot parse comes out as some 90
-lines of traceback, and a misspelt key as advice to append it with `+` (which a typed section
-then rejects, and which for a `_target_` group passes the misspelling on). Hydra's own one-line
-errors (an unknown group option, a value of the wrong type) are left as they are, and so is
-everything when HYDRA_FULL_ERROR is set.
+lines of traceback, a value outside a closed set over five lines, and a misspelt key as
+advice to append it with `+` (which a typed section then rejects, and which for a `_target_`
+group passes the misspelling on). Hydra's own short errors (an unknown group option, a value
+of the wrong type) are left as they are, and so is everything when HYDRA_FULL_ERROR is set.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from app._private import hydra_entry_utils
 from app.config import renamed
@@ -99,6 +99,15 @@ def missing_key_line(override: str, value: str | None, cause: Exception) -> str 
     return f"{override}: no such key in {section}; {listing} prints its keys"
 
 
+def choice_line(e: ValidationError) -> str | None:
+    """`KEY=VALUE: expected one of A, B, C` for a value outside a closed set (an Enum of
+    app.config), which OmegaConf reports over five lines with the schema's class names."""
+    match = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", str(e.msg))
+    if not match or not getattr(e, "full_key", None):
+        return None
+    return f"{e.full_key}={match[1]}: expected one of {match[2]}"
+
+
 def _raised_by_the_job(e: BaseException) -> bool:
     """Whether `e` came from inside the task function (a job's own error, reported by the job
     path), not from Hydra's composition before it."""
@@ -127,6 +136,8 @@ def explain(e: BaseException) -> str | None:
                     f"{seen.start}); save it as UTF-8")
         seen = seen.__cause__ or seen.__context__
     cause = e.__cause__
+    if isinstance(e, ConfigCompositionException) and isinstance(cause, ValidationError):
+        return choice_line(cause)  # None for a wrong type: Hydra's message names it well
     if isinstance(e, ConfigCompositionException) and isinstance(
             cause, ConfigKeyError | ConfigAttributeError):
         match = re.match(r"Could not override '([^']+)'", str(e))

@@ -29,7 +29,7 @@ import difflib
 import math
 import re
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -52,6 +52,28 @@ class MonitorMode(str, Enum):
     min = "min"
 
 
+class _Choice(StrEnum):
+    """A closed set of strings whose members are named by their values ("bf16-mixed",
+    "val/acc": not identifiers, hence the functional form below). OmegaConf reads a value by
+    its member's name, and a member compares and hashes as its string, so code that reads
+    the config compares it with plain strings."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> _Choice | None:
+        return cls.__members__.get(str(value))  # `precision=32` arrives as the int 32
+
+
+def _choice(name: str, *values: str) -> Any:
+    return _Choice(name, [(v, v) for v in values], module=__name__, qualname=name)
+
+
+Precision = _choice("Precision", "32", "bf16-mixed", "16-mixed", "bf16-true")
+Accelerator = _choice("Accelerator", "auto", "cuda", "cpu", "mps", "npu", "xpu", "hpu")
+StartMethod = _choice("StartMethod", "spawn", "forkserver", "fork")
+# What the loop validates and logs (val/loss, val/acc): the metrics a run can monitor.
+Monitor = _choice("Monitor", "val/acc", "val/loss")
+
+
 @dataclass
 class TrainerConfig:
     mode: Mode = Mode.trainval
@@ -64,7 +86,7 @@ class TrainerConfig:
     ckpt_every_n_steps: int | None = None
     keep_last: int = 3
     async_checkpoint: bool = True
-    monitor: str = "val/acc"
+    monitor: Monitor = Monitor("val/acc")
     monitor_mode: MonitorMode = MonitorMode.max
     progress_bar: bool | None = None
     accumulate_grad_batches: int = 1
@@ -97,7 +119,7 @@ class DistributedConfig:
     backend: str = "auto"
     timeout_s: float = 1800.0
     stall_timeout_s: float | None = 600.0
-    start_method: str = "forkserver"
+    start_method: StartMethod = StartMethod("forkserver")
     set_device_rank: bool = True
     kill_grace_s: float = 5.0
     horovod: bool = False
@@ -130,7 +152,7 @@ class AppConfig:
     optimizer: Any = None
     scheduler: Any = None
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> `_target_` node (or null)
-    accelerator: str = "auto"
+    accelerator: Accelerator = Accelerator("auto")
     device_id: int | None = None
     accelerator_strict: bool = False
     devices: Any = 1  # an int, or "auto"
@@ -141,15 +163,13 @@ class AppConfig:
     ckpt: str | None = None
     ckpt_strict: bool = True
     resume: str | None = "auto"
-    precision: str = "32"
+    precision: Precision = Precision("32")
     compile: bool = False
     deterministic: bool = False
     tf32: bool | None = None
     occupy: float = 0.0
     detail: bool = False
 
-
-PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 
 # Keys that moved (old -> new), for the one-line error an old command line gets.
 RENAMED = {
@@ -241,9 +261,6 @@ def _check_distributed(cfg: AppConfig) -> None:
     _seconds("distributed.timeout_s", d.timeout_s)
     _seconds("distributed.stall_timeout_s", d.stall_timeout_s, allow_none=True)
     _seconds("distributed.kill_grace_s", d.kill_grace_s)
-    if d.start_method not in ("spawn", "forkserver", "fork"):
-        raise UserError(
-            f"distributed.start_method={d.start_method}: expected spawn, forkserver or fork")
 
 
 def validate(cfg: AppConfig) -> None:
@@ -272,8 +289,6 @@ def validate(cfg: AppConfig) -> None:
     if not 0 <= cfg.machine_rank < cfg.nodes:
         raise UserError(f"machine_rank={cfg.machine_rank}: must lie in [0, nodes={cfg.nodes})")
     _check_distributed(cfg)
-    if str(cfg.precision) not in PRECISIONS:
-        raise UserError(f"precision={cfg.precision}: expected one of {', '.join(PRECISIONS)}")
     _positive("trainer.accumulate_grad_batches", t.accumulate_grad_batches, allow_none=False)
     _positive("trainer.grad_clip_norm", t.grad_clip_norm)
     _positive("trainer.ema_warmup_steps", t.ema_warmup_steps, allow_none=False)
