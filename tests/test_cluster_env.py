@@ -10,9 +10,8 @@ import pytest
 from app import env as env_module
 from app.config import UserError
 from app.env import SINGLE, Kind, check_horovod, detect, first_host, spawned
-from app.launch.plan import resolve_devices
+from app.launch.plan import device_count, resolve_devices
 from app.run_name import run_name
-from app.training.runtime import device_count
 
 NOW = datetime(2026, 12, 2, 15, 4, 5, 123456)
 

@@ -7,7 +7,6 @@ import pytest
 from app.config import UserError
 from app.env import SINGLE
 from app.launch import plan as launch_module
-from app.training import runtime
 from conftest import make_config
 
 
@@ -21,7 +20,7 @@ from conftest import make_config
 ])
 def test_device_id_without_its_device_says_what_to_type(monkeypatch, tmp_path, overrides,
                                                         words) -> None:
-    monkeypatch.setattr(runtime, "available", lambda kind: kind == "cpu")  # a machine, no GPU
+    monkeypatch.setattr(launch_module, "available", lambda kind: kind == "cpu")  # a machine, no GPU
     with pytest.raises(UserError) as err:  # (a single process, not a rank of a job)
         launch_module.launch(make_config(*overrides), tmp_path, SINGLE)
     assert words in str(err.value), str(err.value)

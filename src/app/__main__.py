@@ -19,6 +19,7 @@ from app.compose_errors import explain_composition_errors
 from app.conf_dir import config_dir
 from app.config import AppError, register_schemas, to_app_config
 from app.env import enter, this_process
+from app.launch.plan import launch, spawns_workers
 from app.launch.run_lock import RunDirInUse, owns_run, take
 from app.launch.spawn import prestart
 from app.reporting.results import write_result
@@ -59,10 +60,8 @@ def main(dict_cfg: DictConfig) -> float | None:
             lock = take(run_dir)
         # Convert at the boundary: below here code sees plain, resolved, typed objects.
         cfg = to_app_config(dict_cfg)
-        prestart(cfg, env)  # a worker server imports torch while this process does the same
-        # Imported here: it brings torch (seconds), which --help and --cfg do not need.
-        from app.launch.plan import launch
-
+        if spawns_workers(cfg, env):
+            prestart(cfg)  # a worker server imports torch while this process does the same
         result = launch(cfg, run_dir, env)
         if record:
             write_result(run_dir, "completed", time.monotonic() - started)

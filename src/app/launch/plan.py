@@ -1,6 +1,12 @@
-"""Where a job runs: in this process, as one rank of a torchrun/SLURM/MPI job, or as `devices`
-workers spawned here. Compose once, then spawn: workers get the resolved config and the run
+"""Where a job runs and on what. `plan()` decides, once and before anything starts: in this
+process, as `devices` workers spawned here, or as one rank of a torchrun/SLURM/MPI job that is
+already running; and the device type, backend and device of each process. `launch()` carries
+the plan out. Compose once, then spawn: workers get the resolved config, the plan and the run
 directory from this process and never compose or create run directories of their own.
+
+Imported without torch: app.__main__ asks `spawns_workers` before it imports torch, so that
+the worker server (app.launch.spawn) imports it at the same time. The device questions
+import it when first asked.
 """
 
 from __future__ import annotations
@@ -10,23 +16,175 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from app.config import AppConfig, Mode, UserError
-from app.dist import check_host
 from app.env import ProcessEnv, check_horovod
 from app.launch.rank_logs import setup_rank_logging
 from app.launch.spawn import spawn
 from app.launch.stacks import stacks_on_signal
-from app.launch.worker import run_rank, worker
 from app.reporting.results import write_result
-from app.training.runtime import device_count, resolve_accelerator, select_device, select_device_id
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
+ACCELERATORS = ("auto", "cuda", "cpu", "mps", "npu", "xpu", "hpu")
+# The process-group backend each device type is best served by.
+BACKENDS = {"cuda": "nccl", "npu": "hccl", "hpu": "hccl", "xpu": "xccl", "mps": "gloo",
+            "cpu": "gloo"}
+# The variable that hides devices from a process, per device type.
+VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK",
+               "npu": "ASCEND_RT_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES"}
 # CPU ranks beyond the cores only share them (a debugging run of devices=2 on one core is
 # fine); a few per core are allowed, a mistyped devices=1000 that would fork 1000 is not.
 CPU_PROCESSES_PER_CORE = 4
+
+
+class How(str, Enum):
+    in_process = "in_process"  # this process runs the mode
+    spawn = "spawn"  # this process starts `devices` workers, one rank each
+    rank = "rank"  # this process is one rank of a job torchrun, SLURM or MPI started
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `plan()` decided; workers receive it as it is."""
+
+    how: How
+    kind: str  # the device type: cpu, cuda, mps, ...
+    backend: str  # the process group's, for a rank
+    devices: int = 1  # the workers to spawn (How.spawn)
+    url: str | None = None  # where the spawned workers meet
+    device_id: int | None = None  # the one device of a run in this process, if asked for
+    set_device_rank: bool = True  # a rank takes device local_rank (else device 0)
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        """This process's device, made current: NCCL binds to it at the first collective."""
+        import torch
+
+        if self.kind in ("cpu", "mps"):
+            return torch.device(self.kind)
+        index = self.device_id if self.device_id is not None else (
+            local_rank if self.set_device_rank else 0)
+        count = device_count(self.kind)
+        if index >= count:
+            raise UserError(
+                f"local rank {local_rank} needs {self.kind}:{index}, but only {count} "
+                f"{self.kind} device(s) are visible; lower devices=, or set "
+                f"distributed.set_device_rank=false when each process sees only its own device")
+        device = torch.device(self.kind, index)
+        _module(self.kind).set_device(device)
+        return device
+
+
+def one_process(mode: Mode, devices: int, nodes: int) -> bool:
+    """The one-process rule: one device on one machine runs in this process, and so do
+    predict and export whatever the devices."""
+    return devices * nodes == 1 or mode in (Mode.predict, Mode.export)
+
+
+def spawns_workers(cfg: AppConfig, env: ProcessEnv) -> bool:
+    """Whether this process will start local workers, asked before torch is imported (so a
+    devices=auto, which needs torch to count, reads as no)."""
+    return (not env.is_rank and isinstance(cfg.devices, int)
+            and not one_process(cfg.trainer.mode, cfg.devices, cfg.nodes))
+
+
+def plan(cfg: AppConfig, env: ProcessEnv) -> Plan:
+    """Where and on what this job runs; raises UserError, before anything starts, for a
+    device, address or count that cannot work here."""
+    check_horovod(os.environ, cfg.distributed.horovod)
+    kind = resolve_accelerator(cfg.accelerator, cfg.accelerator_strict)
+    backend = BACKENDS[kind] if cfg.distributed.backend == "auto" else cfg.distributed.backend
+    keep = {"backend": backend, "set_device_rank": cfg.distributed.set_device_rank}
+    if env.is_rank:  # torchrun, a SLURM task or an MPI rank: this process is one rank
+        if cfg.device_id is not None:
+            raise UserError(f"device_id={cfg.device_id}: under {env.kind.value} each rank takes "
+                            f"its local rank's device; drop device_id")
+        return Plan(How.rank, kind, **keep)
+    devices = resolve_devices(cfg.devices, kind)
+    if one_process(cfg.trainer.mode, devices, cfg.nodes):
+        if devices * cfg.nodes > 1:
+            log.info("trainer=%s runs in one process", cfg.trainer.mode.value)
+        if cfg.device_id is not None:
+            check_device_id(kind, cfg.device_id, cfg.accelerator)
+        return Plan(How.in_process, kind, device_id=cfg.device_id, **keep)
+    if cfg.device_id is not None:
+        raise UserError(f"device_id={cfg.device_id} picks the one device of a devices=1 run; "
+                        f"to choose the devices of devices={devices}, set "
+                        f"CUDA_VISIBLE_DEVICES (or your accelerator's equivalent)")
+    if cfg.dist_url == "auto" and cfg.nodes > 1:  # (a SLURM job takes its address from SLURM)
+        raise UserError(
+            f"dist_url=auto works on one machine only; with nodes={cfg.nodes} give the "
+            f"address of machine 0, the same on every machine: dist_url=tcp://HOST:PORT")
+    url = _free_local_url() if cfg.dist_url == "auto" else cfg.dist_url
+    from app.dist import check_host  # (torch)
+
+    check_host(url)  # before any worker starts
+    return Plan(How.spawn, kind, devices=devices, url=url, **keep)
+
+
+def launch(cfg: AppConfig, run_dir: Path, env: ProcessEnv) -> float | None:
+    """Run the job as `plan()` decides; returns the monitored metric."""
+    chosen = plan(cfg, env)
+    if chosen.how is How.spawn:
+        with stacks_on_signal(run_dir / "logs" / "launcher.stacks"):  # (kill -s RTMIN+4 PID)
+            return spawn(cfg, run_dir, chosen)
+    from app.launch.worker import run_rank, worker  # (torch)
+
+    if chosen.how is How.rank:
+        setup_rank_logging(run_dir, env.rank, keep_handlers=env.rank == 0)
+        log.info("rank %d of %d from %s (rendezvous %s)", env.rank, env.world_size,
+                 env.kind.value, env.dist_url)
+        return run_rank(cfg, run_dir, chosen, env, _stall_reporter(run_dir, env.rank))
+    with stacks_on_signal(run_dir / "logs" / "rank0.stacks"):
+        return worker(cfg, run_dir, chosen.device())
+
+
+# -- what this machine has ----------------------------------------------------------------
+
+def _module(kind: str) -> Any:
+    import torch
+
+    return getattr(torch, kind, None)
+
+
+def available(kind: str) -> bool:
+    if kind == "cpu":
+        return True
+    if kind == "mps":
+        import torch
+
+        return torch.backends.mps.is_available()
+    module = _module(kind)  # torch.npu / torch.hpu exist once their plugins are imported
+    return module is not None and module.is_available()
+
+
+def device_count(kind: str) -> int:
+    if kind in ("cpu", "mps"):
+        return 1
+    return _module(kind).device_count() if available(kind) else 0
+
+
+def resolve_accelerator(accelerator: str, strict: bool) -> str:
+    """The device type to run on: `auto` picks the first available accelerator, else cpu."""
+    if accelerator not in ACCELERATORS:
+        raise UserError(f"accelerator={accelerator}: expected one of {', '.join(ACCELERATORS)}")
+    if accelerator == "auto":
+        return next((k for k in ("cuda", "xpu", "npu", "hpu", "mps") if available(k)), "cpu")
+    if available(accelerator):
+        return accelerator
+    if strict:
+        raise UserError(
+            f"accelerator={accelerator}: no such device is available here; use accelerator=cpu "
+            f"or accelerator=auto (or accelerator_strict=false to fall back to the CPU)")
+    log.warning("accelerator=%s is not available here: running on the CPU", accelerator)
+    return "cpu"
 
 
 def resolve_devices(devices: int | str, kind: str) -> int:
@@ -46,6 +204,35 @@ def resolve_devices(devices: int | str, kind: str) -> int:
         log.warning("devices=%d CPU processes on %d cores: they will compete for the cores",
                     devices, cores)
     return devices
+
+
+def check_device_id(kind: str, device_id: int, requested: str = "auto") -> None:
+    """Device `device_id` for a one-process run (the older launchers' --gpu); indices count
+    among the visible devices, as PyTorch numbers them under CUDA_VISIBLE_DEVICES. `requested`
+    is the accelerator asked for, which `kind` differs from when it fell back to the CPU."""
+    count = device_count(kind)
+    if not 0 <= device_id < count:
+        raise UserError(f"device_id={device_id}: {_no_such_device(kind, count, requested)}")
+
+
+def _no_such_device(kind: str, count: int, requested: str) -> str:
+    """Why device_id names no device here, and what to type instead."""
+    def shown(kind: str) -> str:
+        variable = VISIBLE_ENV.get(kind, "")
+        return f"{variable}={os.environ[variable]}" if os.environ.get(variable) else ""
+
+    if kind not in ("cpu", "mps"):
+        return (f"{count} {kind} device(s) are visible (0 to {count - 1}"
+                f"{'; ' + shown(kind) if shown(kind) else ''}); indices count among the visible "
+                f"devices") if count else f"no {kind} device is visible here; drop device_id"
+    if requested not in ("auto", kind):  # accelerator=cuda fell back to the CPU
+        where = f" ({shown(requested)})" if shown(requested) else ""
+        return (f"no {requested} device is visible here{where}, so the run would be on the "
+                f"{kind}, which is one device; drop device_id (and use accelerator={kind})")
+    if requested == "auto":
+        return f"{kind} has one device, and no GPU or other accelerator is visible; drop device_id"
+    return (f"{kind} has one device: device_id picks among GPUs and other accelerators "
+            f"(accelerator=cuda device_id=N); drop it for accelerator={kind}")
 
 
 def _stall_reporter(run_dir: Path, rank: int) -> Callable[[str], None]:
@@ -68,34 +255,3 @@ def _free_local_url() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def launch(cfg: AppConfig, run_dir: Path, env: ProcessEnv) -> float | None:
-    check_horovod(os.environ, cfg.distributed.horovod)
-    kind = resolve_accelerator(cfg.accelerator, cfg.accelerator_strict)
-    if env.is_rank:  # torchrun, a SLURM task or an MPI rank: this process is one rank
-        if cfg.device_id is not None:
-            raise UserError(f"device_id={cfg.device_id}: under {env.kind.value} each rank takes "
-                            f"its local rank's device; drop device_id")
-        setup_rank_logging(run_dir, env.rank, keep_handlers=env.rank == 0)
-        log.info("rank %d of %d from %s (rendezvous %s)", env.rank, env.world_size,
-                 env.kind.value, env.dist_url)
-        return run_rank(cfg, run_dir, kind, env, _stall_reporter(run_dir, env.rank))
-    devices = resolve_devices(cfg.devices, kind)
-    if cfg.trainer.mode in (Mode.predict, Mode.export) and devices * cfg.nodes > 1:
-        log.info("trainer=%s runs in one process", cfg.trainer.mode.value)
-    elif devices * cfg.nodes > 1:
-        if cfg.device_id is not None:
-            raise UserError(f"device_id={cfg.device_id} picks the one device of a devices=1 run; "
-                            f"to choose the devices of devices={devices}, set "
-                            f"CUDA_VISIBLE_DEVICES (or your accelerator's equivalent)")
-        if cfg.dist_url == "auto" and cfg.nodes > 1:  # (a SLURM job takes its address from SLURM)
-            raise UserError(
-                f"dist_url=auto works on one machine only; with nodes={cfg.nodes} give the "
-                f"address of machine 0, the same on every machine: dist_url=tcp://HOST:PORT")
-        url = _free_local_url() if cfg.dist_url == "auto" else cfg.dist_url
-        check_host(url)  # before any worker starts
-        with stacks_on_signal(run_dir / "logs" / "launcher.stacks"):  # (kill -s RTMIN+4 PID)
-            return spawn(cfg, run_dir, kind, devices, url)
-    with stacks_on_signal(run_dir / "logs" / "rank0.stacks"):
-        if cfg.device_id is not None:
-            return worker(cfg, run_dir, select_device_id(kind, cfg.device_id, cfg.accelerator))
-        return worker(cfg, run_dir, select_device(kind, 0, cfg.distributed.set_device_rank))

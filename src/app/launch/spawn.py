@@ -20,10 +20,13 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app._private import forkserver_pid as _forkserver_pid
 from app.config import AppConfig, AppError, Mode
-from app.env import ProcessEnv
+
+if TYPE_CHECKING:
+    from app.launch.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +35,12 @@ log = logging.getLogger(__name__)
 PRELOAD = ["torch", "torch._dynamo", "app.launch.worker", "app.training.loop", "app.modes.evaluate"]
 
 
-def spawns_workers(cfg: AppConfig, env: ProcessEnv) -> bool:
-    """Whether this process will start local workers (known before devices=auto resolves)."""
-    return (not env.is_rank and isinstance(cfg.devices, int)
-            and cfg.devices * cfg.nodes > 1 and cfg.trainer.mode in (Mode.trainval, Mode.eval))
-
-
-def prestart(cfg: AppConfig, env: ProcessEnv) -> None:
-    """Start the worker server now when workers will be needed, so that it imports torch while
-    this process does its own imports. The server never runs a torch op or touches a GPU, so
-    forking workers from it is safe: no CUDA context and no thread pool are inherited."""
-    if cfg.distributed.start_method == "forkserver" and spawns_workers(cfg, env):
+def prestart(cfg: AppConfig) -> None:
+    """Start the worker server now (workers will be needed: app.launch.plan.spawns_workers), so
+    that it imports torch while this process does its own imports. The server never runs a
+    torch op or touches a GPU, so forking workers from it is safe: no CUDA context and no
+    thread pool are inherited."""
+    if cfg.distributed.start_method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()
 
@@ -226,14 +224,15 @@ def _stop_message(sig: int, cfg: AppConfig, killed: set[int], reports: list[dict
             f"{_last_checkpoint(run_dir)}: run again with hydra.run.dir={run_dir} to resume")
 
 
-def spawn(cfg: AppConfig, run_dir: Path, kind: str, devices: int, url: str) -> float | None:
-    """Start `devices` workers, watch them, and end them all if one fails or a signal comes."""
+def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
+    """Start `plan.devices` workers, watch them, and end them all if one fails or a signal
+    comes."""
     from app.launch.worker import spawned_worker  # (torch: after the worker server has started)
 
     if cfg.distributed.start_method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)  # (when prestart could not know)
     ctx = multiprocessing.get_context(cfg.distributed.start_method)
-    grace = cfg.distributed.kill_grace_s
+    grace, devices, url = cfg.distributed.kill_grace_s, plan.devices, plan.url
     base_rank = cfg.machine_rank * devices
     log.info("starting %d workers (%s, ranks %d-%d of %d, rendezvous %s)", devices,
              cfg.distributed.start_method, base_rank, base_rank + devices - 1,
@@ -247,8 +246,7 @@ def spawn(cfg: AppConfig, run_dir: Path, kind: str, devices: int, url: str) -> f
     try:
         with keep_open, _ParentSignals() as signals:
             procs = [ctx.Process(target=spawned_worker, name=f"app-rank{base_rank + i}",
-                                 args=(i, cfg, run_dir, kind, devices, url, str(report),
-                                       launcher_alive))
+                                 args=(i, cfg, run_dir, plan, str(report), launcher_alive))
                      for i in range(devices)]
             for proc in procs:
                 proc.start()

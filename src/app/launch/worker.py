@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import OmegaConf
@@ -25,14 +25,19 @@ from app.launch.rank_logs import FAILURE_LOGGER, setup_rank_logging
 from app.launch.run_lock import hold_as_worker
 from app.launch.stacks import stacks_on_signal
 from app.training.data_errors import loader_worker_died
-from app.training.runtime import apply_runtime_flags, backend_for, select_device, share_cpu_threads
+from app.training.runtime import apply_runtime_flags
+
+if TYPE_CHECKING:
+    from app.launch.plan import Plan
 
 log = logging.getLogger(__name__)
 
 
-def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
-    """Run the mode of `cfg.trainer` in this process; returns the monitored metric."""
-    apply_runtime_flags(cfg, device)
+def worker(cfg: AppConfig, run_dir: Path, device: torch.device,
+           ranks_here: int | None = None) -> float | None:
+    """Run the mode of `cfg.trainer` in this process; returns the monitored metric.
+    `ranks_here`: the job's ranks on this machine, when this process is one of them."""
+    apply_runtime_flags(cfg, device, ranks_here)
     if cfg.detail and dist.is_main():
         log.info("config:\n%s", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     # Each mode's module is imported only when chosen: predict and export pull in extra
@@ -54,17 +59,14 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         raise died from e
 
 
-def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: ProcessEnv,
+def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
              on_stall: Callable[[str], None]) -> float | None:
     """Join the process group as `me`, run the mode, leave the group. `on_stall` reports the
     line that ends a stalled job (app.launch.watchdog), before the process exits."""
-    # The device is made current before the first collective (NCCL binds to it).
-    if kind == "cpu":  # the ranks on this machine share its cores
-        share_cpu_threads(me.local_world_size)
-    device = select_device(kind, me.local_rank, cfg.distributed.set_device_rank)
+    device = plan.device(me.local_rank)  # (current before the first collective)
     os.environ.update(cfg.distributed.nccl_env)  # opt-in NCCL_* settings, before NCCL starts
     with stacks_on_signal(run_dir / "logs" / f"rank{me.rank}.stacks"):
-        dist.init(backend_for(kind, cfg.distributed.backend), me.dist_url, me.rank, me.world_size,
+        dist.init(plan.backend, me.dist_url, me.rank, me.world_size,
                   me.local_rank, me.local_world_size, cfg.distributed.timeout_s)
         # Only training and evaluation tick; predict and export would look stalled.
         judged = cfg.trainer.mode in (Mode.trainval, Mode.eval)
@@ -72,7 +74,7 @@ def run_rank(cfg: AppConfig, run_dir: Path, kind: str, me: ProcessEnv,
                                me.rank, me.world_size, on_stall)
         previous = None
         try:
-            result = worker(cfg, run_dir, device)
+            result = worker(cfg, run_dir, device, me.local_world_size)
             previous = _ignore_stop_signals()
             return result
         except Exception as e:
@@ -123,16 +125,16 @@ def _write_report(report: Path, name: str, **record: object) -> None:
         pass
 
 
-def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, kind: str, devices: int,
-                   url: str, report_dir: str, launcher_alive: Connection) -> None:
+def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, plan: Plan,
+                   report_dir: str, launcher_alive: Connection) -> None:
     """The target of each local worker process."""
     if cfg.machine_rank == 0:  # (the workers of the machine whose launcher owns the run)
         hold_as_worker(run_dir)  # no new owner of the run until this worker has ended
     _die_with_launcher(launcher_alive)
-    me = enter(spawned(local_rank, devices, cfg.machine_rank, cfg.nodes, url))
+    me = enter(spawned(local_rank, plan.devices, cfg.machine_rank, cfg.nodes, plan.url))
     # The same variables torchrun sets, for code that reads them.
     os.environ.update(RANK=str(me.rank), WORLD_SIZE=str(me.world_size),
-                      LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(devices))
+                      LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(me.local_world_size))
     setup_rank_logging(run_dir, me.rank, keep_handlers=False)
     log.info("rank %d of %d: pid %d", me.rank, me.world_size, os.getpid())
     report = Path(report_dir)
@@ -145,7 +147,7 @@ def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, kind: str, de
                       error=message, stall=True, exit_code=watchdog.EXIT_CODE)
 
     try:
-        result = run_rank(cfg, run_dir, kind, me, stalled)
+        result = run_rank(cfg, run_dir, plan, me, stalled)
         _ignore_stop_signals()  # (until this process exits)
     except BaseException as e:
         if isinstance(e, AppError):

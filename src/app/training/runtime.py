@@ -1,4 +1,5 @@
-"""Device choice, seeding and the random-number state that checkpoints carry."""
+"""The process's numeric settings (threads, determinism, TF32, MKL, memory reservation), seeding
+and the random-number state that checkpoints carry. The device is chosen in app.launch.plan."""
 
 from __future__ import annotations
 
@@ -10,105 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.errors import UserError
-
 log = logging.getLogger(__name__)
-
-
-ACCELERATORS = ("auto", "cuda", "cpu", "mps", "npu", "xpu", "hpu")
-# The process-group backend each device type is best served by.
-BACKENDS = {"cuda": "nccl", "npu": "hccl", "hpu": "hccl", "xpu": "xccl", "mps": "gloo",
-            "cpu": "gloo"}
-
-
-def _module(kind: str) -> Any:
-    return getattr(torch, kind, None)
-
-
-def available(kind: str) -> bool:
-    if kind == "cpu":
-        return True
-    if kind == "mps":
-        return torch.backends.mps.is_available()
-    module = _module(kind)  # torch.npu / torch.hpu exist once their plugins are imported
-    return module is not None and module.is_available()
-
-
-def device_count(kind: str) -> int:
-    if kind in ("cpu", "mps"):
-        return 1
-    return _module(kind).device_count() if available(kind) else 0
-
-
-def resolve_accelerator(accelerator: str, strict: bool) -> str:
-    """The device type to run on: `auto` picks the first available accelerator, else cpu."""
-    if accelerator not in ACCELERATORS:
-        raise UserError(f"accelerator={accelerator}: expected one of {', '.join(ACCELERATORS)}")
-    if accelerator == "auto":
-        return next((k for k in ("cuda", "xpu", "npu", "hpu", "mps") if available(k)), "cpu")
-    if available(accelerator):
-        return accelerator
-    if strict:
-        raise UserError(
-            f"accelerator={accelerator}: no such device is available here; use accelerator=cpu "
-            f"or accelerator=auto (or accelerator_strict=false to fall back to the CPU)")
-    log.warning("accelerator=%s is not available here: running on the CPU", accelerator)
-    return "cpu"
-
-
-def select_device(kind: str, local_rank: int = 0, set_device_rank: bool = True) -> torch.device:
-    """This process's device; made current before any collective needs it."""
-    if kind in ("cpu", "mps"):
-        return torch.device(kind)
-    index = local_rank if set_device_rank else 0
-    count = device_count(kind)
-    if index >= count:
-        raise UserError(
-            f"local rank {local_rank} needs {kind}:{index}, but only {count} {kind} device(s) "
-            f"are visible; lower devices=, or set distributed.set_device_rank=false when each "
-            f"process sees only its own device")
-    device = torch.device(kind, index)
-    _module(kind).set_device(device)
-    return device
-
-
-# The variable that hides devices from a process, per device type.
-VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK",
-               "npu": "ASCEND_RT_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES"}
-
-
-def select_device_id(kind: str, device_id: int, requested: str = "auto") -> torch.device:
-    """Device `device_id` for a one-process run (the older launchers' --gpu); indices count
-    among the visible devices, as PyTorch numbers them under CUDA_VISIBLE_DEVICES. `requested`
-    is the accelerator asked for, which `kind` differs from when it fell back to the CPU."""
-    count = device_count(kind)
-    if not 0 <= device_id < count:
-        raise UserError(f"device_id={device_id}: {_no_such_device(kind, count, requested)}")
-    if kind in ("cpu", "mps"):
-        return torch.device(kind)
-    device = torch.device(kind, device_id)
-    _module(kind).set_device(device)
-    return device
-
-
-def _no_such_device(kind: str, count: int, requested: str) -> str:
-    """Why device_id names no device here, and what to type instead."""
-    def shown(kind: str) -> str:
-        variable = VISIBLE_ENV.get(kind, "")
-        return f"{variable}={os.environ[variable]}" if os.environ.get(variable) else ""
-
-    if kind not in ("cpu", "mps"):
-        return (f"{count} {kind} device(s) are visible (0 to {count - 1}"
-                f"{'; ' + shown(kind) if shown(kind) else ''}); indices count among the visible "
-                f"devices") if count else f"no {kind} device is visible here; drop device_id"
-    if requested not in ("auto", kind):  # accelerator=cuda fell back to the CPU
-        where = f" ({shown(requested)})" if shown(requested) else ""
-        return (f"no {requested} device is visible here{where}, so the run would be on the "
-                f"{kind}, which is one device; drop device_id (and use accelerator={kind})")
-    if requested == "auto":
-        return f"{kind} has one device, and no GPU or other accelerator is visible; drop device_id"
-    return (f"{kind} has one device: device_id picks among GPUs and other accelerators "
-            f"(accelerator=cuda device_id=N); drop it for accelerator={kind}")
 
 
 def reproducible_matmuls() -> None:
@@ -137,10 +40,6 @@ def share_cpu_threads(local_processes: int) -> None:
     if usable == os.cpu_count():  # every rank sees every core: they share them
         usable //= local_processes
     torch.set_num_threads(max(1, usable))
-
-
-def backend_for(kind: str, requested: str) -> str:
-    return BACKENDS[kind] if requested == "auto" else requested
 
 
 def seed_everything(seed: int) -> None:
@@ -182,8 +81,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def apply_runtime_flags(cfg: Any, device: torch.device) -> None:
-    """Determinism, TF32, thread count and GPU memory reservation, as the config asks."""
+def apply_runtime_flags(cfg: Any, device: torch.device, ranks_here: int | None = None) -> None:
+    """Determinism, TF32, thread count and GPU memory reservation, as the config asks.
+    `ranks_here`: the ranks of the job on this machine (None: a run in this one process)."""
     if cfg.deterministic:
         # cuBLAS needs a fixed workspace for deterministic results (set before its first use).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -199,6 +99,8 @@ def apply_runtime_flags(cfg: Any, device: torch.device) -> None:
     # dynamic threading off, and MKL's matmuls round differently with 1 thread than with 2
     # (about 2e-6 on a 16x4096 by 4096x4096 product), so a process whose MKL picked another
     # count would no longer repeat a run bit for bit.
+    if device.type == "cpu" and ranks_here is not None:  # the ranks share this machine's cores
+        share_cpu_threads(ranks_here)
     torch.set_num_threads(cfg.distributed.omp_threads or torch.get_num_threads())
     if cfg.occupy > 0:
         occupy_memory(device, cfg.occupy)

@@ -77,7 +77,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
 
         import torch
 
-        from app.training.runtime import resolve_accelerator
+        from app.launch.plan import resolve_accelerator
 
         if resolve_accelerator(cfg.accelerator, cfg.accelerator_strict) != "cuda":
             return
