@@ -7,9 +7,9 @@ from typing import Any
 
 from app.callbacks.base import Callback, Run
 from app.checks import whole
-from app.config import MonitorMode, UserError
+from app.config import Monitor, MonitorMode, UserError
 
-METRICS = ("val/acc", "val/loss")
+METRICS = tuple(m.value for m in Monitor)  # the metrics the loop logs at validation
 
 
 class EarlyStopping(Callback):
