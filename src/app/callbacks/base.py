@@ -34,6 +34,7 @@ from torch import nn
 from app import dist
 from app.config import AppConfig, UserError
 from app.data import DataModule
+from app.training.state import LoopState
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ HOOKS = ("on_train_start", "on_step_end", "on_log", "on_validation_end", "on_tra
 
 @dataclass
 class Run:
-    """What a callback may read about the run; `step` and `epoch` follow the loop."""
+    """What a callback may read about the run; `step` and `epoch` follow the loop (they are
+    its `LoopState`'s, which the loop and the checkpoint share)."""
 
     cfg: AppConfig
     run_dir: Path
@@ -53,9 +55,18 @@ class Run:
     data: DataModule
     global_batch: int  # samples per optimizer step over all ranks
     total_steps: int
-    step: int = 0
-    epoch: int = 0
+    state: LoopState = field(default_factory=LoopState)
     stop_reason: str | None = field(default=None, repr=False)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+        return self.state.step
+
+    @property
+    def epoch(self) -> int:
+        """Epochs done."""
+        return self.state.epoch
 
     def request_stop(self, reason: str) -> None:
         """Stop after the current validation, on every rank (a checkpoint is saved)."""
