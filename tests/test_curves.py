@@ -10,7 +10,16 @@ import re
 import pytest
 from PIL import Image
 
-from app.reporting.curves import COLORS, Axis, draw_curves, layout, panel_areas, read_series
+from app.reporting.curves import (
+    COLORS,
+    HEIGHT,
+    WIDTH,
+    Axis,
+    draw_curves,
+    layout,
+    panel_areas,
+    read_series,
+)
 
 
 def write_metrics(run_dir, train: dict[int, float], val: dict[int, tuple[float, float]]) -> None:
@@ -102,3 +111,12 @@ def test_a_run_that_logged_nothing_gets_a_picture_only_with_a_note(tmp_path) -> 
     write_metrics(tmp_path, {}, {})
     assert draw_curves(tmp_path) is None
     assert draw_curves(tmp_path, note="failed at step 3: AppError: ...").is_file()
+
+
+def test_the_picture_is_a_valid_png_of_its_size(tmp_path) -> None:
+    write_metrics(tmp_path, {10: 2.28, 20: 1.7}, {20: (1.9, 0.4)})
+    path = draw_curves(tmp_path)
+    with Image.open(path) as image:
+        image.verify()  # the whole file decodes
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size == (WIDTH, HEIGHT)

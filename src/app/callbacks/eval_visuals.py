@@ -6,6 +6,7 @@ import torch
 
 from app.callbacks.base import Callback, Run
 from app.checks import whole
+from app.reporting.grids import save_grid
 
 
 class EvalVisuals(Callback):
@@ -23,7 +24,6 @@ class EvalVisuals(Callback):
         self.validations += 1
         if self.validations % self.every:
             return
-        from app.modes.predict import save_grid  # matplotlib is imported only when drawing
 
         x, y = run.data.val.tensors
         x, y = x[: self.num_show], y[: self.num_show]

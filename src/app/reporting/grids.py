@@ -1,0 +1,76 @@
+"""A grid of images with their predicted (and true) labels: `predictions.png` of predict mode
+and the eval_visuals callback's pictures. Drawn with Pillow, as every picture of app is.
+
+Each image is scaled up by whole pixels (nearest neighbour: an 8x8 digit stays 64 visible
+squares). A one-channel image is drawn dark on light, stretched between its own lowest and
+highest value; a colour image is shown as it is, clipped to [0, 1].
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFont, PngImagePlugin
+
+from app.files import write_bytes_atomically
+
+COLUMNS = 8  # at most, per row
+CELL = (160, 190)  # width, height of one image with its label
+TITLE_H = 60  # the band above the cells that holds the title
+LABEL_H = 26  # the band above an image that holds its label
+GREEN, RED = (0, 128, 0), (220, 0, 0)
+
+
+def _pixels(image: torch.Tensor) -> Image.Image:
+    """(C, H, W) -> a picture: one channel dark on light (min white, max black), else RGB."""
+    array = image.detach().float().cpu().numpy()
+    if array.shape[0] == 1:
+        plane = array[0]
+        lo, hi = float(plane.min()), float(plane.max())
+        shade = (plane - lo) / (hi - lo) if hi > lo else np.zeros_like(plane)
+        return Image.fromarray(np.round(255 * (1 - shade)).astype(np.uint8), mode="L")
+    rgb = np.clip(array.transpose(1, 2, 0), 0, 1)
+    return Image.fromarray(np.round(255 * rgb).astype(np.uint8), mode="RGB")
+
+
+def save_grid(
+    images: torch.Tensor, preds: list[int], labels: list[int] | None, title: str, path: Path
+) -> None:
+    """Up to COLUMNS images a row, each under "pred P" (or "pred P / true T": green when
+    right, red when wrong), the title above. The title and each cell's label also go into
+    the PNG's text fields (Title, Description), for tools to read."""
+    n = len(images)
+    cols = max(1, min(COLUMNS, n))
+    rows = max(1, math.ceil(n / cols))
+    picture = Image.new("RGB", (CELL[0] * cols, CELL[1] * rows + TITLE_H), "white")
+    draw = ImageDraw.Draw(picture)
+    draw.text((picture.width / 2, 16), title, fill="black", anchor="mm",
+              font=ImageFont.load_default(size=14))
+    font = ImageFont.load_default(size=12)
+    cells = []
+    for i in range(n):
+        left, top = (i % cols) * CELL[0], TITLE_H + (i // cols) * CELL[1]
+        cell = f"pred {preds[i]}" + ("" if labels is None else f" / true {labels[i]}")
+        cells.append(cell)
+        color = "black" if labels is None else GREEN if preds[i] == labels[i] else RED
+        draw.text((left + CELL[0] / 2, top + LABEL_H / 2 - 4), cell, fill=color, anchor="mm",
+                  font=font)
+        shown = _pixels(images[i])
+        room_w, room_h = CELL[0] - 16, CELL[1] - LABEL_H - 12
+        scale = min(room_w / shown.width, room_h / shown.height)
+        if scale >= 1:  # whole pixels: every source pixel the same size
+            scale = math.floor(scale)
+        size = (max(1, round(shown.width * scale)), max(1, round(shown.height * scale)))
+        shown = shown.resize(size, Image.Resampling.NEAREST)
+        picture.paste(shown, (left + (CELL[0] - size[0]) // 2,
+                              top + LABEL_H + (room_h - size[1]) // 2))
+    info = PngImagePlugin.PngInfo()
+    info.add_text("Title", title)
+    info.add_text("Description", "; ".join(cells))
+    out = io.BytesIO()
+    picture.save(out, format="PNG", pnginfo=info)
+    write_bytes_atomically(path, out.getvalue())

@@ -1,0 +1,55 @@
+"""The grid of predictions (predictions.png, eval_visuals/): each image, whole, under its
+labels; valid PNGs of the size the number of images gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+from app.reporting.grids import CELL, GREEN, LABEL_H, RED, TITLE_H, save_grid
+
+
+def _open(path) -> Image.Image:
+    with Image.open(path) as image:
+        image.verify()  # the whole file decodes
+    return Image.open(path)
+
+
+def _cell(image: Image.Image, i: int, cols: int) -> np.ndarray:
+    left, top = (i % cols) * CELL[0], TITLE_H + (i // cols) * CELL[1]
+    return np.asarray(image.convert("RGB").crop((left, top, left + CELL[0], top + CELL[1])))
+
+
+def _has(cell: np.ndarray, color: tuple[int, int, int]) -> bool:
+    return bool((cell == color).all(axis=-1).any())
+
+
+def test_a_grid_shows_each_digit_whole_under_its_labels(tmp_path) -> None:
+    images = torch.zeros(10, 1, 8, 8)
+    images[:, 0, 2:6, 3] = 1.0  # a bar one pixel wide, four high: drawn dark on light
+    labels = [1] * 9 + [2]
+    path = tmp_path / "grid.png"
+    save_grid(images, [1] * 10, labels, "step 5: 9/10 right", path)
+    image = _open(path)
+    assert image.size == (8 * CELL[0], 2 * CELL[1] + TITLE_H)  # 8 a row, 2 rows
+    assert image.text["Title"] == "step 5: 9/10 right"
+    assert image.text["Description"].split("; ") == ["pred 1 / true 1"] * 9 + ["pred 1 / true 2"]
+    right, wrong = _cell(image, 0, 8), _cell(image, 9, 8)
+    assert _has(right[:LABEL_H], GREEN) and not _has(right[:LABEL_H], RED)
+    assert _has(wrong[:LABEL_H], RED) and not _has(wrong[:LABEL_H], GREEN)
+    dark = np.argwhere((right[LABEL_H:] == 0).all(axis=-1))
+    height, width = dark.max(0) - dark.min(0) + 1
+    assert height == 4 * width and width >= 8  # scaled by whole pixels, not smoothed
+    assert ((right[LABEL_H:] == 0) | (right[LABEL_H:] == 255)).all()  # black or white only
+
+
+def test_a_colour_grid_keeps_its_colours_and_its_size(tmp_path) -> None:
+    images = torch.zeros(3, 3, 4, 4)
+    images[:, 2] = 1.0  # blue
+    path = tmp_path / "grid.png"
+    save_grid(images, [0, 1, 2], None, "colour", path)
+    image = _open(path)
+    assert image.size == (3 * CELL[0], CELL[1] + TITLE_H)
+    assert image.text["Description"] == "pred 0; pred 1; pred 2"
+    assert _has(_cell(image, 2, 3), (0, 0, 255))
