@@ -143,8 +143,8 @@ def test_a_result_json_that_cannot_be_written_ends_the_command_in_one_line(tmp_p
 
 def test_a_full_disk_at_pictures_and_predictions_is_one_line_and_leaves_no_partial_file(
         tmp_path, full_disk) -> None:
-    from app.modes.predict import save_grid
     from app.reporting.curves import draw_curves
+    from app.reporting.grids import save_grid
 
     (tmp_path / "metrics.csv").write_text("step,epoch,split,loss,lr,acc\n1,0,train,2.3,0.1,\n"
                                           "2,0,val,2.2,,0.3\n")

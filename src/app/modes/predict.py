@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import io
 import logging
-import math
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,8 @@ import torch
 
 from app.config import AppConfig, UserError
 from app.data import DataModule
-from app.files import write_bytes_atomically, write_text_atomically
+from app.files import write_text_atomically
+from app.reporting.grids import save_grid
 from app.training.build import build_data, build_trained_model
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def _from_npy(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _from_folder(path: Path, shape: tuple[int, ...]) -> tuple[torch.Tensor, list[str]]:
-    from PIL import Image  # pillow comes with matplotlib; imported only for this mode
+    from PIL import Image
 
     if len(shape) != 3 or shape[0] not in (1, 3):
         raise UserError(f"predict.input={path}: image folders need a 1- or 3-channel image model")
@@ -88,43 +88,6 @@ def load_inputs(
         x = _from_npy(path, data.input_shape)
         return x, None, [f"{path.name}[{i}]" for i in range(len(x))]
     raise UserError(f"predict.input={source}: expected a folder of images or a .npy file")
-
-
-def save_grid(
-    images: torch.Tensor, preds: list[int], labels: list[int] | None, title: str, path: Path
-) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; no display is needed or wanted
-    import matplotlib.pyplot as plt
-
-    n = len(images)
-    cols = min(8, n)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.9 * rows + 0.6), squeeze=False)
-    for i, ax in enumerate(axes.flat):
-        ax.axis("off")
-        if i >= n:
-            continue
-        image = images[i]
-        shown = image[0] if image.shape[0] == 1 else image.permute(1, 2, 0).clamp(0, 1)
-        ax.imshow(shown.numpy(), cmap="gray_r" if image.shape[0] == 1 else None)
-        if labels is None:
-            ax.set_title(f"pred {preds[i]}", fontsize=9)
-        else:
-            ok = preds[i] == labels[i]
-            ax.set_title(f"pred {preds[i]} / true {labels[i]}", fontsize=8,
-                         color="green" if ok else "red")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    # The title and each cell's labels also go into the PNG's text fields, for tools to read.
-    cells = [f"pred {p}" + ("" if labels is None else f" / true {labels[i]}")
-             for i, p in enumerate(preds)]
-    picture = io.BytesIO()
-    fig.savefig(picture, format="png", dpi=100,
-                metadata={"Title": title, "Description": "; ".join(cells)})
-    plt.close(fig)
-    write_bytes_atomically(path, picture.getvalue())
 
 
 @torch.no_grad()
