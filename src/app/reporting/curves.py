@@ -1,7 +1,7 @@
 """`plots/curves.png` of a run: training loss, validation loss and accuracy against step.
 
-Every training process draws it at its end, so it is drawn with Pillow (about 5 MB of
-memory) rather than matplotlib (about 35 MB: a tenth of a small CPU training process's peak).
+Every training process draws it at its end, so it is drawn with Pillow, a fraction of
+matplotlib's memory and import time (figures: docs/measurements.md); so is every picture of app.
 Pillow has no axes of its own: `layout` chooses them (round, distinct ticks; accuracy within
 [0, 1]; a log loss axis when the loss spans more than a decade) and `draw_curves` draws them.
 """
