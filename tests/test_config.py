@@ -182,3 +182,32 @@ def test_closed_sets_take_their_strings_and_compare_as_strings() -> None:
     assert (cfg.accelerator, cfg.trainer.monitor) == ("cpu", "val/loss")
     assert {"spawn": 1}[cfg.distributed.start_method] == 1  # hashes as its string
     assert make_config("precision=bf16-mixed").precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("overrides", [["hydra/launcher=submitit_slurm"],
+                                       ["hydra/launcher=submitit_local"], ["launcher=slurm"]])
+def test_launcher_options_compose_without_a_warning_and_run_apps_launcher(
+        overrides: list[str]) -> None:
+    import warnings
+
+    from hydra import compose, initialize_config_dir
+
+    from app.config import register_schemas
+    from app.resolvers import register_resolvers
+
+    register_schemas()
+    register_resolvers()
+    with warnings.catch_warnings(record=True) as seen, initialize_config_dir(
+            config_dir=str(CONF_DIR), version_base="1.3"):
+        warnings.simplefilter("always")  # whatever filters the process has set
+        cfg = compose("config", overrides=[*overrides, "devices=2", "nodes=1"],
+                      return_hydra_config=True)
+    assert [str(w.message) for w in seen] == []
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.startswith("hydra_plugins.app_submitit.launcher.App")
+    assert launcher.tasks_per_node == (2 if "local" not in overrides[0] else 1)
+    assert launcher.gpus_per_node is None  # accelerator=auto: no GPUs asked for
+    with pytest.raises(ConfigCompositionException), initialize_config_dir(
+            config_dir=str(CONF_DIR), version_base="1.3"):
+        compose("config", overrides=[*overrides, "hydra.launcher.timeout_mn=5"],
+                return_hydra_config=True)  # a misspelt launcher key fails (typed node)

@@ -7,7 +7,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import hydra
@@ -38,9 +37,6 @@ register_resolvers()
 # job's entry is its launcher's __call__, a spawned worker's is app.launch.worker).
 enter()
 explain_composition_errors()  # a broken YAML file, a misspelt key: one line, not Hydra's report
-# conf/hydra/launcher/submitit_*.yaml shadow the stock options on purpose (same names, app's
-# launcher) and are checked against their schemas; Hydra warns about that on every run.
-warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema")
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
