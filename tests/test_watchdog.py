@@ -185,7 +185,7 @@ def _assert_stacks(run_dir: Path) -> None:
     for rank in (0, 1):
         stacks = (run_dir / "logs" / f"rank{rank}.stacks").read_text()
         assert "most recent call first" in stacks and 'File "' in stacks, stacks
-        assert "train.py" in stacks  # the main thread, in the loop
+        assert "training/loop.py" in stacks  # the main thread, in the loop
 
 
 def test_a_stopped_rank_ends_the_job_named_with_every_stack(tmp_path) -> None:
@@ -287,7 +287,7 @@ def test_every_process_of_a_run_writes_its_stacks_on_the_dump_signal(tmp_path) -
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
-    for name, where in (("launcher", "spawn.py"), ("rank1", "train.py")):
+    for name, where in (("launcher", "spawn.py"), ("rank1", "training/loop.py")):
         stacks = (run_dir / "logs" / f"{name}.stacks").read_text()
         assert "most recent call first" in stacks and where in stacks, stacks
     assert not (run_dir / "logs" / "rank0.stacks").exists()  # (no dump: no file)
