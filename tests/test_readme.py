@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, make_config
+from conftest import CONF_DIR, REPO, make_config
 
+# Stand-ins for the reader's own paths and hosts: such commands are composed, not validated
+# (their checkpoint, folder or host does not exist here).
+PLACEHOLDERS = ("DAY/TIME", "PATH", "HOST0", "my_digits", "digits.npy")
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_TOOLS = {"mkdir", "touch", "cat", "printf", "kill", "sinfo", "squeue", "scancel"}
 
@@ -77,7 +80,18 @@ def _app_commands() -> list[tuple[str, str]]:
     pytest.param(page, c, id=f"{page}: {c}") for page, c in _app_commands()
     if "$HOME" not in c and "~/" not in c])  # (those: test_your_own_code_examples_compose)
 def test_app_commands_compose(page: str, command: str) -> None:
-    make_config(*_overrides(_words(command)))  # raises on a key, group or value that does not exist
+    """Composed, and validated as the entry validates before it launches anything."""
+    from hydra import compose, initialize_config_dir
+
+    from app.config import register_schemas, to_app_config
+    from app.resolvers import register_resolvers
+
+    register_schemas()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = compose("config", overrides=_overrides(_words(command)))
+    if not any(p in command for p in PLACEHOLDERS):
+        to_app_config(composed)  # raises a UserError naming a value the entry would refuse
 
 
 def _makefile_targets() -> set[str]:
