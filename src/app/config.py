@@ -36,6 +36,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+from app._private import config_node
 from app.checks import seed_value
 from app.errors import AppError, UserError  # noqa: F401 (the config's errors, re-exported)
 
@@ -224,7 +225,7 @@ def _unknown_keys(node: DictConfig, path: str = "") -> list[str]:
             hint = f" (did you mean {path}{near[0]}?)" if near else ""
             found.append(f"{full}: not a key of the config{hint}; "
                          f"`python -m app --cfg job` prints every key")
-        elif isinstance(child := node._get_node(key), DictConfig):
+        elif isinstance(child := config_node(node, key), DictConfig):
             found += _unknown_keys(child, f"{full}.")
     return found
 
