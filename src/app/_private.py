@@ -1,10 +1,10 @@
 """Every reach into another library's private internals, in one place.
 
-PyTorch, Hydra, submitit and multiprocessing offer no public way to do these few things.
-Each accessor checks that what it reaches for is there; tests/test_private.py exercises each
-one on the installed versions, so an upgrade that moves one fails there, by name, rather than
-somewhere inside a run. Where a caller can do without (a less precise message), a missing
-internal reads as "nothing to report", as the callers did before this module.
+PyTorch, Hydra, OmegaConf, submitit and multiprocessing offer no public way to do these few
+things. Each accessor checks that what it reaches for is there; tests/test_private.py
+exercises each one on the installed versions, so an upgrade that moves one fails there, by
+name, rather than somewhere inside a run. Where a caller can do without (a less precise
+message), a missing internal reads as "nothing to report", as the callers did before.
 """
 
 from __future__ import annotations
