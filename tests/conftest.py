@@ -1,23 +1,39 @@
-"""Shared helpers: run the real CLI in a subprocess, read what a run left behind."""
+"""Shared helpers: run a job in this process (`run_job`) or the real CLI in a subprocess
+(`run_app`, where the process is the subject), read what a run left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
+import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+# What `python -m app` sets before MKL's first call (app.training.runtime.reproducible_matmuls):
+# the in-process runs below must round as the CLI's do, and before torch computes anything.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
-from app.config import AppConfig, register_schemas
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from app.config import AppConfig, register_schemas, to_app_config  # noqa: E402
+from app.resolvers import register_resolvers  # noqa: E402
+
+# One intra-op thread for the jobs run in this process: two pytest workers (make test) on two
+# cores, each taking a thread per core, spin against each other. A test that is about the
+# thread count sets distributed.omp_threads.
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -45,6 +61,83 @@ def make_config(*overrides: str) -> AppConfig:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=list(overrides))
     return OmegaConf.to_object(cfg)
+
+
+@dataclass
+class Job:
+    """What a job run in this process returned, and the lines it logged (as the CLI prints)."""
+
+    value: float | None
+    run_dir: Path
+    output: str
+
+
+def run_job(run_dir: Path, *overrides: str, user_code: Path | None = None) -> Job:
+    """`python -m app OVERRIDES hydra.run.dir=run_dir` in this process, for a one-process job:
+    the config composed, converted and validated as the entry does, then the same `launch()`
+    (a bad config raises its UserError here instead of exiting 2). `user_code`: a folder of
+    the user's modules, as PYTHONPATH gives it to the CLI. The process is left as it was
+    (`_process_left_alone`), so the runs of one pytest worker cannot affect each other."""
+    from app.env import SINGLE  # (torch, the whole app: once per test process)
+    from app.launch.plan import launch
+
+    register_schemas()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = compose("config", overrides=list(overrides))
+    cfg = to_app_config(composed)
+    run_dir.mkdir(parents=True, exist_ok=True)  # (Hydra makes it for `python -m app`)
+    with _process_left_alone(user_code) as output:
+        value = launch(cfg, run_dir, SINGLE)  # a test process is never a rank of a job
+    return Job(value, run_dir, output.getvalue())
+
+
+# The signals whose handlers the app sets while it runs (stop, requeue, stack dumps).
+_SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2]
+
+
+@contextlib.contextmanager
+def _process_left_alone(user_code: Path | None) -> Iterator[io.StringIO]:
+    """Capture the log lines of a run (root logger at INFO, Hydra's format), and afterwards
+    put back what a run sets for the whole process: torch's determinism, cuDNN and TF32
+    flags, the thread count, the default dtype, environment variables, signal handlers, the
+    logging setup, the working directory, sys.path and the user's modules."""
+    flags = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
+    handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    root = logging.getLogger()
+    root_state = (root.level, list(root.handlers))
+    output = io.StringIO()
+    capture = logging.StreamHandler(output)
+    capture.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    root.addHandler(capture)
+    root.setLevel(logging.INFO)
+    if user_code is not None:
+        sys.path.insert(0, str(user_code))
+    try:
+        yield output
+    finally:
+        root.setLevel(root_state[0])
+        root.handlers[:] = root_state[1]
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = cudnn
+        torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
+        sys.path[:] = path
+        if user_code is not None:  # the next test's user code may reuse a module name
+            for name, module in list(sys.modules.items()):
+                if str(getattr(module, "__file__", None) or "").startswith(str(user_code)):
+                    del sys.modules[name]
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 @dataclass
