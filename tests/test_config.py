@@ -211,3 +211,14 @@ def test_launcher_options_compose_without_a_warning_and_run_apps_launcher(
             config_dir=str(CONF_DIR), version_base="1.3"):
         compose("config", overrides=[*overrides, "hydra.launcher.timeout_mn=5"],
                 return_hydra_config=True)  # a misspelt launcher key fails (typed node)
+
+
+def test_a_missing_optional_logger_fails_before_any_worker_starts(monkeypatch) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mlflow" else find_spec(name, *a))
+    validate(make_config("logger=csv"))
+    with pytest.raises(UserError, match="logger.mlflow=true needs MLflow: pip install"):
+        validate(make_config("logger=mlflow"))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import re
 from dataclasses import dataclass, field
@@ -301,6 +302,9 @@ def validate(cfg: AppConfig) -> None:
     if cfg.device_id is not None and cfg.device_id < 0:
         raise UserError(f"device_id={cfg.device_id}: must be 0 or more")
     seed_value("seed", cfg.seed)
+    if cfg.logger.mlflow and importlib.util.find_spec("mlflow") is None:  # (an optional extra)
+        raise UserError("logger.mlflow=true needs MLflow: pip install mlflow-skinny "
+                        "(or pip install -e '.[mlflow]')")
     for group in ("model", "data", "optimizer"):
         node = getattr(cfg, group)
         if not isinstance(node, dict) or "_target_" not in node:
