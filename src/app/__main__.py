@@ -16,10 +16,11 @@ from omegaconf import DictConfig
 
 from app.compose_errors import explain_composition_errors
 from app.conf_dir import config_dir
-from app.config import AppError, register_schemas, to_app_config
+from app.config import register_schemas, to_app_config
 from app.env import enter, this_process
+from app.errors import AppError, Interrupted, RunDirInUse, one_line
 from app.launch.plan import launch, spawns_workers
-from app.launch.run_lock import RunDirInUse, owns_run, take
+from app.launch.run_lock import owns_run, take
 from app.launch.spawn import prestart
 from app.reporting.results import write_result
 from app.resolvers import register_resolvers
@@ -62,20 +63,18 @@ def main(dict_cfg: DictConfig) -> float | None:
         if record:
             write_result(run_dir, "completed", time.monotonic() - started)
     except BaseException as e:
+        stopped = isinstance(e, (Interrupted, KeyboardInterrupt))  # by a signal
         if record and not isinstance(e, RunDirInUse):  # (then the run is another command's)
-            status = "interrupted" if isinstance(e, KeyboardInterrupt) or (
-                isinstance(e, AppError) and e.exit_code > 128) else "failed"  # 128 + signal
-            first_line = (str(e).strip().splitlines() or [""])[0]
-            write_result(run_dir, status, time.monotonic() - started,
-                         f"{type(e).__name__}: {first_line}", raise_errors=False)
+            write_result(run_dir, "interrupted" if stopped else "failed",
+                         time.monotonic() - started, one_line(e), raise_errors=False)
         if lock is not None:
             lock.release()
-        interrupted = isinstance(e, AppError) and e.exit_code > 128
+        sweep = HydraConfig.get().mode == RunMode.MULTIRUN
         # A refused job of a submitit sweep fails its task (the job must not pass as done,
         # and the run directory's records are the other command's).
         refused_job = isinstance(e, RunDirInUse) and "SUBMITIT_EXECUTOR" in os.environ
-        if HydraConfig.get().mode == RunMode.MULTIRUN and not env.is_rank and \
-                isinstance(e, Exception) and not interrupted and not refused_job:
+        if sweep and not env.is_rank and isinstance(e, Exception) and not stopped and \
+                not refused_job:
             # A failed job of a sweep is a row of its summary, not the end of the sweep: the
             # other jobs still run, and the sweep summary reports the failures.
             # NaN is what sweepers such as Optuna take for a failed trial.
@@ -87,7 +86,7 @@ def main(dict_cfg: DictConfig) -> float | None:
         if not isinstance(e, AppError):
             raise
         log.error("%s", e)
-        if HydraConfig.get().mode == RunMode.MULTIRUN and not interrupted:
+        if sweep and not stopped:
             raise  # a rank of a SLURM/torchrun job, a refused submitit job: its task must fail
         sys.exit(e.exit_code)  # a signal stops a whole sweep too; a re-run resumes it
     if lock is not None:

@@ -12,9 +12,7 @@ from __future__ import annotations
 import multiprocessing.forkserver
 from typing import Any
 
-
-class InternalMissing(RuntimeError):
-    """A private attribute app relies on is gone: an upgrade moved it (see app._private)."""
+from app.errors import InternalMissing
 
 
 def _attr(owner: Any, name: str) -> Any:

@@ -1,4 +1,8 @@
-"""The two kinds of expected failure (no imports: data and model modules use them alone)."""
+"""Every failure the app expects, in one module (no imports: data and model modules use them
+alone). Each ends a run with one line (`one_line` for the run's records) and the exit status
+of its class; anything else is a bug and keeps its traceback."""
+
+from __future__ import annotations
 
 
 class AppError(Exception):
@@ -11,3 +15,52 @@ class UserError(AppError, ValueError):
     """A mistake in what the user asked for: a bad value, a missing file."""
 
     exit_code = 2
+
+
+class RunDirInUse(UserError):
+    """Another live command owns the run directory; nothing was written into it."""
+
+
+class Interrupted(AppError):
+    """The run was stopped by a signal (SIGINT/SIGTERM); the message says what was saved."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum  # what a shell reports for a process ended by signum
+
+
+class WorkerFailed(AppError):
+    """A worker process raised or died; the message names the rank and the cause."""
+
+
+class WriteFailed(AppError):
+    """A run file could not be written (its previous content is intact)."""
+
+
+class ExportMismatch(AppError):
+    """An exported model whose outputs differ from the eager model's."""
+
+
+class DataItemError(AppError):
+    """An item of a data set failed to load."""
+
+    def __init__(self, message: str) -> None:
+        # A loader worker's error comes back as "Caught DataItemError in DataLoader worker
+        # process N.\nOriginal Traceback ... app.training.data_errors.DataItemError: <message>".
+        if message.startswith("Caught "):
+            last = message.strip().splitlines()[-1]
+            message = last.split(f"{type(self).__name__}: ", 1)[-1]
+        super().__init__(message)
+
+
+class InternalMissing(RuntimeError):
+    """A private attribute app relies on is gone: an upgrade moved it (see app._private). A bug
+    of this version of app, not a user's mistake: it keeps its traceback."""
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: first line of the message` (the type alone for an empty one): how a run's
+    records (result.json, a worker's report) keep the error that ended it."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__

@@ -11,11 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from app.errors import AppError
-
-
-class WriteFailed(AppError):
-    """A run file could not be written (its previous content is intact)."""
+from app.errors import WriteFailed
 
 
 def write_failed(path: Path, e: OSError) -> WriteFailed:

@@ -33,7 +33,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from app.env import ProcessEnv, this_process
-from app.errors import UserError
+from app.errors import RunDirInUse
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,6 @@ WORKERS_WAIT_S = 120.0
 # A requeued SLURM job can start while the file system still holds the lock of its previous
 # run (a node that died holds it on NFS until its lease ends): it waits that long for it.
 REQUEUE_WAIT_S = 180.0
-
-
-class RunDirInUse(UserError):
-    """Another live command owns the run directory; nothing was written into it."""
 
 
 # Lock files this process holds open; a forked child closes its copies (_close_in_child).

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app._private import forkserver_pid as _forkserver_pid
-from app.config import AppConfig, AppError, Mode
+from app.config import AppConfig, Mode
+from app.errors import Interrupted, WorkerFailed
 
 if TYPE_CHECKING:
     from app.launch.plan import Plan
@@ -43,10 +44,6 @@ def prestart(cfg: AppConfig) -> None:
     if cfg.distributed.start_method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()
-
-
-class WorkerFailed(AppError):
-    """A worker process raised or died; the message names the rank and the cause."""
 
 
 class _ParentSignals:
@@ -266,10 +263,8 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
                 f"{_last_checkpoint(run_dir)}: run again with hydra.run.dir={run_dir} to resume")
         if signals.received:
             sig = signals.received[0]
-            error = AppError(_stop_message(sig, cfg, killed, reports, devices, run_dir,
-                                           base_rank))
-            error.exit_code = 128 + sig
-            raise error
+            raise Interrupted(_stop_message(sig, cfg, killed, reports, devices, run_dir,
+                                            base_rank), sig)
         raise WorkerFailed(_failure_message(procs, killed, reports, grace,
                                             cfg.distributed.timeout_s, run_dir, base_rank))
     finally:

@@ -9,15 +9,12 @@ from pathlib import Path
 
 import torch
 
-from app.config import AppConfig, AppError
+from app.config import AppConfig
+from app.errors import ExportMismatch
 from app.files import write_text_atomically
 from app.training.build import build_data, build_trained_model
 
 log = logging.getLogger(__name__)
-
-
-class ExportMismatch(AppError):
-    """An exported model whose outputs differ from the eager model's."""
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,19 +10,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from app._private import loader_workers, no_sigchld_handler
-from app.errors import AppError
-
-
-class DataItemError(AppError):
-    """An item of a data set failed to load."""
-
-    def __init__(self, message: str) -> None:
-        # A loader worker's error comes back as "Caught DataItemError in DataLoader worker
-        # process N.\nOriginal Traceback ... app.training.data_errors.DataItemError: <message>".
-        if message.startswith("Caught "):
-            last = message.strip().splitlines()[-1]
-            message = last.split(f"{type(self).__name__}: ", 1)[-1]
-        super().__init__(message)
+from app.errors import AppError, DataItemError
 
 
 class NamedItems(Dataset):
