@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from app.callbacks import Callbacks
-from app.config import UserError
+from app.errors import AppError, UserError
 from app.launch import plan
-from conftest import TINY, assert_ok, load_state, make_config, read_metrics, run_app
+from conftest import TINY, assert_ok, load_state, make_config, read_metrics, run_app, run_job
 
 # Validation every 4 steps; the learning rate so small that val/acc cannot move: a plateau.
 PLATEAU = [*TINY, "trainer.val_every_n_steps=4", "trainer.val_every_n_epochs=null",
@@ -27,7 +27,10 @@ def _val_steps(run_dir) -> list[int]:
 
 @pytest.mark.parametrize("devices", [1, 2])
 def test_early_stopping_stops_where_the_metric_plateaued_on_every_rank(tmp_path, devices) -> None:
-    result = assert_ok(run_app(tmp_path / "run", *PLATEAU, f"devices={devices}"))
+    if devices == 1:
+        result = run_job(tmp_path / "run", *PLATEAU)
+    else:  # two worker processes
+        result = assert_ok(run_app(tmp_path / "run", *PLATEAU, "devices=2"))
     # Validations at 4 (the best), 8 and 12 (no improvement: patience 2 used up).
     assert _val_steps(result.run_dir) == [4, 8, 12]
     assert load_state(result.run_dir / "checkpoints" / "last.pt")["loop"]["step"] == 12
@@ -44,14 +47,14 @@ def test_resume_from_a_checkpoint_before_early_stopping_stops_at_the_same_step(t
                  "trainer.ckpt_every_n_steps=4", "trainer.keep_last=10",
                  "+callbacks/early_stopping=default", "callbacks.early_stopping.patience=2",
                  "callbacks.early_stopping.min_delta=1.0"]
-    whole = assert_ok(run_app(tmp_path / "whole", *overrides)).run_dir
+    whole = run_job(tmp_path / "whole", *overrides).run_dir
     assert _val_steps(whole) == [4, 8, 12]
     # A run that was interrupted after step 8: one validation of patience already spent.
     # Without the callback's state in the checkpoint it would count afresh and stop at 20.
     ckpts = tmp_path / "resumed" / "checkpoints"
     ckpts.mkdir(parents=True)
     shutil.copy(whole / "checkpoints" / "step-00000008.pt", ckpts / "last.pt")
-    resumed = assert_ok(run_app(tmp_path / "resumed", *overrides))
+    resumed = run_job(tmp_path / "resumed", *overrides)
     assert "resumed from" in resumed.output and "at step 8" in resumed.output
     last = load_state(ckpts / "last.pt")
     assert last["loop"]["step"] == 12
@@ -60,15 +63,15 @@ def test_resume_from_a_checkpoint_before_early_stopping_stops_at_the_same_step(t
     whole_weights = load_state(whole / "checkpoints" / "last.pt")["model"]
     for key, value in last["model"].items():
         assert torch.equal(value, whole_weights[key]), key
-    again = assert_ok(run_app(whole, *overrides))  # a finished run run again trains nothing
+    again = run_job(whole, *overrides)  # a finished run run again trains nothing
     assert "already finished at step 12 (early stopping" in again.output
 
 
 def test_eval_visuals_draw_the_predictions_of_the_validating_weights(tmp_path) -> None:
-    result = assert_ok(run_app(
+    result = run_job(
         tmp_path / "run", *TINY, "trainer.max_epochs=null", "trainer.max_steps=20",
         "trainer.val_every_n_steps=5", "+callbacks/eval_visuals=default",
-        "callbacks.eval_visuals.every_n_validations=2", "callbacks.eval_visuals.num_show=12"))
+        "callbacks.eval_visuals.every_n_validations=2", "callbacks.eval_visuals.num_show=12")
     pictures = sorted((result.run_dir / "eval_visuals").iterdir())
     assert [p.name for p in pictures] == ["step-00000010.png", "step-00000020.png"]
     with Image.open(pictures[-1]) as image:
@@ -153,7 +156,7 @@ def test_a_users_callback_from_outside_the_repo_gets_every_hook_in_order(tmp_pat
                  "trainer.ckpt_every_n_steps=3", f"hydra.searchpath=[file://{tmp_path}/user_conf]",
                  "+callbacks/spy=default", f"callbacks.spy.path='{record}'"]
     env = {"PYTHONPATH": str(code)}
-    result = assert_ok(run_app(tmp_path / "run", *overrides, env=env))
+    result = run_job(tmp_path / "run", *overrides, user_code=code)
     assert "callbacks: model_summary, spy" in result.output
     rank0 = tmp_path / "rank0.jsonl"
     assert _hooks(rank0) == [
@@ -165,7 +168,8 @@ def test_a_users_callback_from_outside_the_repo_gets_every_hook_in_order(tmp_pat
         ("on_train_end", 6)]
     logged = [r for r in read_metrics(result.run_dir) if r["split"] == "train"]
     assert [r["spy_calls"] for r in logged] == ["3", "7", "10"]  # on_log's additions are logged
-    # Resumed: the state comes back before training starts; more steps, on two ranks.
+    # Resumed: the state comes back before training starts; more steps, on two ranks (two
+    # worker processes).
     rank0.unlink()
     resumed = assert_ok(run_app(tmp_path / "run", *overrides, "trainer.max_steps=8", "devices=2",
                                 env=env))
@@ -178,8 +182,8 @@ def test_a_users_callback_from_outside_the_repo_gets_every_hook_in_order(tmp_pat
                                                 ("on_validation_end", 8)]
     # A run that fails still ends with on_train_end, which is told the error.
     rank0.unlink()
-    failed = run_app(tmp_path / "failed", *overrides, "optimizer.lr=1e30", env=env)
-    assert failed.returncode != 0
+    with pytest.raises(AppError):
+        run_job(tmp_path / "failed", *overrides, "optimizer.lr=1e30", user_code=code)
     last = json.loads(rank0.read_text().splitlines()[-1])
     assert last["hook"] == "on_train_end" and last["error"] is not None
 
@@ -202,9 +206,8 @@ def test_callback_mistakes_are_one_line_errors_naming_the_key(tmp_path) -> None:
 
 
 def test_device_id_picks_one_device_or_says_which_exist(tmp_path, monkeypatch) -> None:
-    result = run_app(tmp_path / "run", *TINY, "device_id=3")
-    assert result.returncode == 2
-    assert "device_id=3: cpu has one device" in result.output
+    with pytest.raises(UserError, match="device_id=3: cpu has one device"):  # (CLI: exit 2)
+        run_job(tmp_path / "run", *TINY, "device_id=3")
     # The GPU path, with two visible devices out of a machine's several.
     monkeypatch.setattr(plan, "device_count", lambda kind: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")

@@ -1,10 +1,9 @@
 """Checkpoint files under faults: a crash between their names, a name taken by a directory,
-files of the wrong structure in every mode, a checkpoint of another head. In-process: the
-logic is the subject, not the process."""
+files of the wrong structure in every mode, a checkpoint of another head. In-process
+(`run_job`): the logic is the subject, not the process."""
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
@@ -13,27 +12,24 @@ import torch
 from app.checkpoint import io as checkpoint
 from app.checkpoint import manager
 from app.errors import UserError
-from app.launch.worker import worker
 from app.training.build import build_data, build_model
-from conftest import TINY, make_config
+from conftest import TINY, Job, make_config, run_job
 
 # One checkpoint, the best, at step 3.
 SHORT = [*TINY, "trainer.max_epochs=null", "trainer.max_steps=3"]
-CPU = torch.device("cpu")
 
 
 class Killed(BaseException):
     """Stands for a SIGKILL at a link: nothing after it runs, no handler sees it as an error."""
 
 
-def _train(run_dir, *overrides: str) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)  # (Hydra makes it for `python -m app`)
-    worker(make_config(*SHORT, *overrides), run_dir, CPU)
+def _train(run_dir, *overrides: str) -> Job:
+    return run_job(run_dir, *SHORT, *overrides)
 
 
 @pytest.mark.parametrize("crash_at", ["last.pt", "best.pt"])
 def test_a_crash_between_the_names_of_the_final_checkpoint_is_repaired_on_rerun(
-        tmp_path, monkeypatch, caplog, crash_at) -> None:
+        tmp_path, monkeypatch, crash_at) -> None:
     # What `strace -e inject=link:signal=KILL:when=N python -m app ...` does to the process:
     # the final checkpoint is on disk, and the link that would give it the name `crash_at`
     # never happens (nor anything after it).
@@ -52,12 +48,11 @@ def test_a_crash_between_the_names_of_the_final_checkpoint_is_repaired_on_rerun(
     assert final.is_file() and not (ckpts / "best.pt").exists()
 
     monkeypatch.setattr(checkpoint, "link", real_link)
-    with caplog.at_level(logging.INFO):
-        _train(run_dir)  # the rerun: nothing left to train
-    assert "already finished at step 3" in caplog.text
+    rerun = _train(run_dir)  # nothing left to train
+    assert "already finished at step 3" in rerun.output
     for name in ("last.pt", "best.pt"):
         assert os.path.samefile(ckpts / name, final), name
-    assert "best.pt now names the checkpoint of step 3" in caplog.text
+    assert "best.pt now names the checkpoint of step 3" in rerun.output
 
 
 def test_a_resume_from_a_checkpoint_that_was_not_the_best_leaves_best_pt_alone(tmp_path) -> None:
