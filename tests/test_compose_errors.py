@@ -131,3 +131,16 @@ def test_a_renamed_key_names_its_new_name(override: str, line: str) -> None:
 def test_a_value_outside_a_closed_set_fails_at_compose_in_one_line(override: str,
                                                                    line: str) -> None:
     assert explain(_composition_error(override)) == line
+
+
+@pytest.mark.parametrize("text,line", [
+    ("# @package _global_\nema: true\n", "experiment/old: ema was renamed to trainer.ema"),
+    ("# @package _global_\nprecision: fp16\n",
+     "experiment/old: precision=fp16: expected one of 32, bf16-mixed, 16-mixed, bf16-true"),
+])
+def test_a_config_file_with_a_renamed_key_or_a_wrong_choice_is_named(tmp_path, text: str,
+                                                                      line: str) -> None:
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "old.yaml").write_text(text)
+    error = _composition_error(f"hydra.searchpath=[file://{tmp_path}]", "+experiment=old")
+    assert explain(error) == line

@@ -145,6 +145,13 @@ def explain(e: BaseException) -> str | None:
             value = re.search(r"use \+\S+?=(.*)$", str(e), re.M)
             value = value[1] if value else None
             return renamed(match[1], value) or missing_key_line(match[1], value, cause)
+    source = re.match(r"In '([^']+)': ", str(e))
+    merged = e.__context__  # a config file's key or value (Hydra raises without `from`)
+    if isinstance(e, ConfigCompositionException) and source:
+        if isinstance(merged, ConfigKeyError) and (line := renamed(merged.full_key or "")):
+            return f"{source[1]}: {line}"
+        if isinstance(merged, ValidationError) and (line := choice_line(merged)):
+            return f"{source[1]}: {line}"
     return None
 
 
