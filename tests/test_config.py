@@ -222,3 +222,21 @@ def test_a_missing_optional_logger_fails_before_any_worker_starts(monkeypatch) -
     validate(make_config("logger=csv"))
     with pytest.raises(UserError, match="logger.mlflow=true needs MLflow: pip install"):
         validate(make_config("logger=mlflow"))
+
+
+def test_apps_launcher_wins_whatever_order_hydra_scans_the_plugins_in() -> None:
+    """Hydra's plugin scan executes the stock plugin's module (which stores its nodes) after
+    ours or before, depending on the install; ours are stored after the scan."""
+    import importlib
+
+    from hydra import compose, initialize_config_dir
+    from hydra_plugins.hydra_submitit_launcher import config as stock
+
+    from app.config import register_schemas
+
+    register_schemas()
+    importlib.reload(stock)  # the stock nodes stored last, as a scan in that order leaves them
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=submitit_local"],
+                      return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("AppLocalLauncher")
