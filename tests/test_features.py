@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from app.data import ShiftedImages
+from app.errors import UserError
 from app.schedulers import constant
 from app.training.build import build_data, build_model, build_optimizer, parameter_groups
 from app.training.ema import ModelEMA
@@ -25,6 +26,7 @@ from conftest import (
     make_config,
     read_metrics,
     run_app,
+    run_job,
 )
 
 FAST = [*TINY, "trainer.max_epochs=2"]
@@ -37,9 +39,9 @@ def _losses(run_dir) -> list[float]:
 # -- precision ------------------------------------------------------------------------------
 
 def test_bf16_mixed_and_bf16_true_train_on_cpu(tmp_path) -> None:
-    mixed = assert_ok(run_app(tmp_path / "mixed", *FAST, "precision=bf16-mixed")).run_dir
-    true = assert_ok(run_app(tmp_path / "true", *FAST, "precision=bf16-true")).run_dir
-    full = assert_ok(run_app(tmp_path / "full", *FAST)).run_dir
+    mixed = run_job(tmp_path / "mixed", *FAST, "precision=bf16-mixed").run_dir
+    true = run_job(tmp_path / "true", *FAST, "precision=bf16-true").run_dir
+    full = run_job(tmp_path / "full", *FAST).run_dir
     assert _losses(mixed) != _losses(full)  # autocast really ran in bf16
     assert all(torch.isfinite(torch.tensor(_losses(mixed))))
     weights = load_state(true / "checkpoints" / "last.pt")["model"]
@@ -49,8 +51,8 @@ def test_bf16_mixed_and_bf16_true_train_on_cpu(tmp_path) -> None:
 
 
 def test_fp16_mixed_on_cpu_is_a_clear_error(tmp_path) -> None:
-    result = run_app(tmp_path / "run", *FAST, "precision=16-mixed", "accelerator=cpu")
-    assert result.returncode == 2 and "precision=bf16-mixed" in result.output
+    with pytest.raises(UserError, match="precision=bf16-mixed"):  # (exit 2 in the CLI)
+        run_job(tmp_path / "run", *FAST, "precision=16-mixed", "accelerator=cpu")
 
 
 # -- EMA ------------------------------------------------------------------------------------
@@ -74,14 +76,14 @@ def test_ema_ramps_up_and_follows_the_model() -> None:
 
 
 def test_ema_validates_is_checkpointed_and_is_what_eval_uses(tmp_path) -> None:
-    run_dir = assert_ok(run_app(tmp_path / "ema", *FAST, "trainer.ema=true",
-                                "trainer.ema_warmup_steps=10")).run_dir
+    run_dir = run_job(tmp_path / "ema", *FAST, "trainer.ema=true",
+                      "trainer.ema_warmup_steps=10").run_dir
     state = load_state(run_dir / "checkpoints" / "best.pt")
     ema = state["train_step"]["ema"]
     assert ema["updates"] == state["loop"]["step"]
     assert not torch.equal(ema["module"]["head.2.weight"], state["model"]["head.2.weight"])
-    result = assert_ok(run_app(tmp_path / "eval", "trainer=eval", "model.channels=[8,16]",
-                               f"ckpt={run_dir}/checkpoints/best.pt"))
+    result = run_job(tmp_path / "eval", "trainer=eval", "model.channels=[8,16]",
+                     f"ckpt={run_dir}/checkpoints/best.pt")
     assert json.loads((result.run_dir / "eval.json").read_text())["acc"] == (
         state["metrics"]["acc"])
 
@@ -116,9 +118,9 @@ def test_clipping_bounds_the_update() -> None:
 
 def test_accumulation_in_the_cli_and_under_ddp(tmp_path) -> None:
     same = [*TINY, "trainer.max_epochs=1", "model.dropout=0", "trainer.ckpt_every_n_epochs=null"]
-    full = assert_ok(run_app(tmp_path / "full", *same, "data.batch_size=64")).run_dir
-    accum = assert_ok(run_app(tmp_path / "accum", *same, "data.batch_size=32",
-                              "trainer.accumulate_grad_batches=2")).run_dir
+    full = run_job(tmp_path / "full", *same, "data.batch_size=64").run_dir
+    accum = run_job(tmp_path / "accum", *same, "data.batch_size=32",
+                    "trainer.accumulate_grad_batches=2").run_dir
     ddp = assert_ok(run_app(tmp_path / "ddp", *same, "data.batch_size=16", "devices=2",
                             "trainer.accumulate_grad_batches=2")).run_dir
     for other in (accum, ddp):
@@ -189,9 +191,9 @@ def test_cache_puts_the_data_in_shared_memory() -> None:
 def test_loader_workers_with_augmentation_resume_exactly(tmp_path) -> None:
     overrides = [*TINY, "trainer.max_epochs=2", "data.num_workers=2", "data.shift=1",
                  "trainer.ckpt_every_n_steps=10", "trainer.keep_last=100"]
-    reference = assert_ok(run_app(tmp_path / "reference", *overrides)).run_dir
-    resumed = assert_ok(run_app(tmp_path / "resumed", *overrides,
-                                f"resume={reference}/checkpoints/step-00000030.pt")).run_dir
+    reference = run_job(tmp_path / "reference", *overrides).run_dir
+    resumed = run_job(tmp_path / "resumed", *overrides,
+                      f"resume={reference}/checkpoints/step-00000030.pt").run_dir
     assert_same_weights(reference / "checkpoints" / "last.pt", resumed / "checkpoints" / "last.pt")
 
 
@@ -199,10 +201,10 @@ def test_resume_is_exact_with_ema_accumulation_and_bf16_mixed(tmp_path) -> None:
     overrides = [*TINY, "trainer.max_epochs=3", "trainer.ema=true",
                  "trainer.accumulate_grad_batches=2", "precision=bf16-mixed",
                  "trainer.ckpt_every_n_steps=4", "trainer.keep_last=100"]
-    reference = assert_ok(run_app(tmp_path / "reference", *overrides)).run_dir
+    reference = run_job(tmp_path / "reference", *overrides).run_dir
     # 11 optimizer steps per epoch: step 16 lies in the middle of epoch 2
-    resumed = assert_ok(run_app(tmp_path / "resumed", *overrides,
-                                f"resume={reference}/checkpoints/step-00000016.pt")).run_dir
+    resumed = run_job(tmp_path / "resumed", *overrides,
+                      f"resume={reference}/checkpoints/step-00000016.pt").run_dir
     assert_same_weights(reference / "checkpoints" / "last.pt", resumed / "checkpoints" / "last.pt")
     ema_a = load_state(reference / "checkpoints" / "last.pt")["train_step"]["ema"]["module"]
     ema_b = load_state(resumed / "checkpoints" / "last.pt")["train_step"]["ema"]["module"]
@@ -214,9 +216,9 @@ def test_resume_is_exact_with_ema_accumulation_and_bf16_mixed(tmp_path) -> None:
 # -- runtime flags, memory reservation, detail ----------------------------------------------
 
 def test_runtime_flags_occupy_and_detail(tmp_path) -> None:
-    result = assert_ok(run_app(tmp_path / "run", "debug=fast", "model.channels=[8,16]",
-                               "deterministic=true", "tf32=false", "occupy=0.5",
-                               "distributed.omp_threads=1", "detail=true"))
+    result = run_job(tmp_path / "run", "debug=fast", "model.channels=[8,16]",
+                     "deterministic=true", "tf32=false", "occupy=0.5",
+                     "distributed.omp_threads=1", "detail=true")
     assert "occupy=0.5: no GPU here, nothing reserved" in result.output
     assert "model summary:" in result.output and "total" in result.output
     assert "config:" in result.output and "deterministic: true" in result.output
@@ -244,9 +246,8 @@ def test_a_model_and_config_from_outside_the_repo(tmp_path) -> None:
     (tmp_path / "conf" / "model").mkdir(parents=True)
     (tmp_path / "conf" / "model" / "tiny.yaml").write_text(
         "_target_: my_pkg.models.TinyNet\nwidth: 12\n")
-    result = assert_ok(run_app(tmp_path / "run", "model=tiny", "debug=fast",
-                               f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
-                               env={"PYTHONPATH": str(tmp_path)}))
+    result = run_job(tmp_path / "run", "model=tiny", "debug=fast",
+                     f"hydra.searchpath=[file://{tmp_path / 'conf'}]", user_code=tmp_path)
     weights = load_state(result.run_dir / "checkpoints" / "last.pt")["model"]
     assert weights["net.1.weight"].shape == (12, 64)
 
@@ -255,9 +256,9 @@ def test_partial_loading_for_a_changed_head(trained, tmp_path) -> None:
     ckpt = f"ckpt={trained}/checkpoints/best.pt"
     head = ["data=synthetic", "data.num_classes=4", "data.num_samples=256",
             "model.channels=[8,16]", "debug=fast"]
-    strict = run_app(tmp_path / "strict", *head, ckpt)
-    assert strict.returncode == 2 and "head.2.weight" in strict.output
-    loose = assert_ok(run_app(tmp_path / "loose", *head, ckpt, "ckpt_strict=false"))
+    with pytest.raises(UserError, match=r"head\.2\.weight"):  # (exit 2 in the CLI)
+        run_job(tmp_path / "strict", *head, ckpt)
+    loose = run_job(tmp_path / "loose", *head, ckpt, "ckpt_strict=false")
     assert "loaded 8 of 10 weights" in loose.output
     assert "skipped: head.2.bias (10,) vs (4,), head.2.weight (10, 64) vs (4, 64)" in loose.output
 

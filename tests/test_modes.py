@@ -1,4 +1,5 @@
-"""The real CLI, one mode at a time: trainval, eval, predict, export, and the help screens."""
+"""The modes: trainval, eval, predict, export, and the help screens. Each mode once through
+the real CLI (the session's `trained` run, eval, predict, export); the rest in-process."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from app.errors import UserError
-from conftest import REPO, TINY, assert_ok, load_state, make_config, read_metrics, run_app
+from conftest import REPO, TINY, assert_ok, load_state, make_config, read_metrics, run_app, run_job
 
 
 def test_trainval_writes_the_run_files(trained) -> None:
@@ -62,8 +63,8 @@ def test_predict_on_validation_split(trained, tmp_path) -> None:
 
 
 def _predict(run_dir, ckpt, *overrides) -> list[dict[str, str]]:
-    result = assert_ok(run_app(run_dir, "trainer=predict", f"ckpt={ckpt}",
-                               "model.channels=[8,16]", *overrides))
+    result = run_job(run_dir, "trainer=predict", f"ckpt={ckpt}", "model.channels=[8,16]",
+                     *overrides)
     with open(result.run_dir / "predictions.csv", newline="") as f:
         return list(csv.DictReader(f))
 
@@ -123,19 +124,19 @@ def test_export_fails_when_outputs_differ(trained, tmp_path, monkeypatch) -> Non
 
 def test_seeded_runs_repeat_and_seeds_differ(tmp_path) -> None:
     fast = [*TINY, "trainer.max_epochs=1", "trainer.ckpt_every_n_epochs=null"]
-    a = assert_ok(run_app(tmp_path / "a", *fast, "seed=0"))
-    b = assert_ok(run_app(tmp_path / "b", *fast, "seed=0"))
-    c = assert_ok(run_app(tmp_path / "c", *fast, "seed=1"))
+    a = run_job(tmp_path / "a", *fast, "seed=0")
+    b = run_job(tmp_path / "b", *fast, "seed=0")
+    c = run_job(tmp_path / "c", *fast, "seed=1")
     loss = [[r["loss"] for r in read_metrics(x.run_dir)] for x in (a, b, c)]
     assert loss[0] == loss[1]
     assert loss[0] != loss[2]
 
 
 def test_synthetic_data_and_mlp(tmp_path) -> None:
-    result = assert_ok(run_app(
+    result = run_job(
         tmp_path / "syn", "data=synthetic", "model=mlp", "data.num_samples=512",
         "data.input_shape=[16]", "data.num_classes=4", "trainer.max_epochs=2",
-        "logger=tensorboard", "trainer.progress_bar=false"))
+        "logger=tensorboard", "trainer.progress_bar=false")
     assert len(read_metrics(result.run_dir)) > 0
     assert list((result.run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
@@ -153,8 +154,7 @@ def test_help_lists_groups_and_cfg_prints_config() -> None:
 
 
 def test_unavailable_accelerator_falls_back_to_cpu(tmp_path) -> None:
-    result = assert_ok(run_app(tmp_path / "run", "accelerator=xpu", "debug=fast",
-                               "model.channels=[8,16]"))
+    result = run_job(tmp_path / "run", "accelerator=xpu", "debug=fast", "model.channels=[8,16]")
     assert "accelerator=xpu is not available here: running on the CPU" in result.output
     assert "on cpu x 1" in result.output
 
