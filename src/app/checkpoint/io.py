@@ -13,7 +13,6 @@ structure and every restore are `app.checkpoint.manager`'s.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -22,8 +21,6 @@ from typing import Any
 import torch
 
 from app.errors import AppError, UserError
-
-log = logging.getLogger(__name__)
 
 
 def _fsync_dir(path: Path) -> None:
