@@ -47,7 +47,7 @@ class DataItemError(AppError):
 
     def __init__(self, message: str) -> None:
         # A loader worker's error comes back as "Caught DataItemError in DataLoader worker
-        # process N.\nOriginal Traceback ... app.training.data_errors.DataItemError: <message>".
+        # process N.\nOriginal Traceback ... app.errors.DataItemError: <message>".
         if message.startswith("Caught "):
             last = message.strip().splitlines()[-1]
             message = last.split(f"{type(self).__name__}: ", 1)[-1]

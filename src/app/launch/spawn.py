@@ -202,7 +202,7 @@ def _stop_message(sig: int, cfg: AppConfig, killed: set[int], reports: list[dict
     """What a stop by `sig` left behind, as the workers report it (a checkpoint is saved only
     when every rank reached the step they agreed to stop at)."""
     name = signal.Signals(sig).name
-    stopped = [r for r in reports if r.get("exit_code", 0) > 128]
+    stopped = [r for r in reports if r.get("stopped")]  # (ended by Interrupted)
     if len(stopped) == devices and not killed:  # every rank saved and stopped
         step = re.search(r"at step (\d+)", min(stopped, key=lambda r: r["rank"])["error"])
         return (f"stopped by {name}; the workers saved a checkpoint"

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from app import dist
 from app.config import AppConfig, Mode
 from app.env import ProcessEnv, enter, spawned
-from app.errors import AppError, one_line
+from app.errors import AppError, Interrupted, one_line
 from app.launch import watchdog
 from app.launch.rank_logs import FAILURE_LOGGER, setup_rank_logging
 from app.launch.run_lock import hold_as_worker
@@ -157,7 +157,7 @@ def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, plan: Plan,
             failures.exception("rank %d failed", me.rank)
         code = e.exit_code if isinstance(e, AppError) else 1
         _write_report(report, f"rank{me.rank}.json", rank=me.rank, time=time.time(),
-                      exit_code=code, error=one_line(e))
+                      exit_code=code, error=one_line(e), stopped=isinstance(e, Interrupted))
         sys.exit(code)
     if local_rank == 0:
         (report / "result.json").write_text(json.dumps({"result": result}))
