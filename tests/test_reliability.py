@@ -9,12 +9,13 @@ import sys
 
 import torch
 
-from conftest import HELPERS, REPO, TINY, assert_ok, load_state, run_app
+from conftest import HELPERS, REPO, TINY, assert_ok, load_state, run_app, run_job
 
 
 def _trained(tmp_path, *extra: str):
-    """A finished run with a periodic checkpoint per epoch (22 steps each)."""
-    return assert_ok(run_app(tmp_path / "run", *TINY, "trainer.keep_last=10", *extra)).run_dir
+    """A finished run with a periodic checkpoint per epoch (22 steps each), trained in this
+    process (the setup; the runs under test are `python -m app`'s)."""
+    return run_job(tmp_path / "run", *TINY, "trainer.keep_last=10", *extra).run_dir
 
 
 def _one_line_error(result, *words: str) -> None:
