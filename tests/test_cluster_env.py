@@ -3,6 +3,9 @@ workers and single processes; run names."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from datetime import datetime
 
 import pytest
@@ -79,6 +82,17 @@ def test_the_entry_detects_once_and_the_process_keeps_it(monkeypatch) -> None:
     assert env_module.this_process().rank == 1
     me = spawned(0, 2, 0, 1, "tcp://127.0.0.1:29500")
     assert env_module.enter(me) is me and env_module.this_process() is me
+
+
+def test_an_environment_that_cannot_work_ends_the_command_in_one_line(tmp_path) -> None:
+    mpi = {**os.environ, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}
+    mpi.pop("MASTER_ADDR", None)
+    result = subprocess.run([sys.executable, "-m", "app", f"hydra.run.dir={tmp_path}"],
+                            env=mpi, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "MPI launch detected (OMPI_COMM_WORLD_RANK/PMI_RANK) but MASTER_ADDR is not set: export "
+        "MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free port> for all ranks"], result.stderr
 
 
 @pytest.mark.parametrize("nodelist,host", [

@@ -18,7 +18,7 @@ from app.compose_errors import explain_composition_errors
 from app.conf_dir import config_dir
 from app.config import register_schemas, to_app_config
 from app.env import enter, this_process
-from app.errors import AppError, Interrupted, RunDirInUse, one_line
+from app.errors import AppError, Interrupted, RunDirInUse, UserError, one_line
 from app.launch.plan import launch, spawns_workers
 from app.launch.run_lock import owns_run, take
 from app.launch.spawn import prestart
@@ -36,7 +36,11 @@ register_schemas()
 register_resolvers()
 # This process's place in a job, detected once, before Hydra calls our callbacks (a submitit
 # job's entry is its launcher's __call__, a spawned worker's is app.launch.worker).
-enter()
+try:
+    enter()
+except UserError as e:  # (MPI variables without MASTER_ADDR): one line, before Hydra starts
+    print(e, file=sys.stderr)
+    sys.exit(e.exit_code)
 explain_composition_errors()  # a broken YAML file, a misspelt key: one line, not Hydra's report
 
 
