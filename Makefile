@@ -22,11 +22,11 @@ install:  ## install torch (if missing), app (editable) and the dev tools into $
 run: $(STAMP)  ## train the default job (CNN on digits) into outputs/
 	$(PYTHON) -m app
 
-# Two pytest workers, a file's tests on one (the SLURM tests share their cluster in order):
-# the tests mostly wait on subprocesses; in CI on 2 cores 897 s against 1307 s one at a time.
-# The slow trials run one at a time: in parallel they took 23 min against ~15.
+# Two pytest workers, the tests spread one by one; the files that share a module fixture (the
+# SLURM tests share their cluster in order) stay on one worker (tests/conftest.py ONE_WORKER).
+# The slow trials run one at a time: in parallel they took longer (docs/measurements.md).
 test: $(STAMP)  ## run the test suite
-	$(PYTHON) -m pytest -n 2 --dist loadfile
+	$(PYTHON) -m pytest -n 2 --dist loadgroup
 
 test-slow: $(STAMP)  ## the slow fault trials: SIGKILL during checkpoints, a soak, override fuzzing
 	$(PYTHON) -m pytest -m slow -rP

@@ -252,6 +252,19 @@ def check_summary(sweep: Path, num_jobs: int) -> list[dict[str, str]]:
     return rows
 
 
+# Files whose tests share one module fixture (a training run; the Slurm cluster, used in
+# order) run on one pytest worker; the tests of the other files spread one by one over the
+# workers (`make test`: --dist loadgroup), so one long file no longer sets the suite's end.
+ONE_WORKER = ("test_slurm.py", "test_resume.py", "test_checkpoint_faults.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tiny training run, shared by the tests that need a checkpoint."""
