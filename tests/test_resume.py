@@ -83,7 +83,7 @@ def test_resume_null_starts_fresh_and_ckpt_loads_weights_only(reference, tmp_pat
 
 
 def test_sigterm_saves_then_resume_auto_finishes_exactly(tmp_path) -> None:
-    overrides = [*TINY, "trainer.max_epochs=6", "trainer.ckpt_every_n_epochs=null"]
+    overrides = [*TINY, "trainer.max_epochs=3", "trainer.ckpt_every_n_epochs=null"]
     reference = run_job(tmp_path / "reference", *overrides).run_dir
     run_dir = tmp_path / "interrupted"
     with pytest.raises(AppError) as stopped:  # SIGTERM at step 40, taken by the app's handler
@@ -92,7 +92,7 @@ def test_sigterm_saves_then_resume_auto_finishes_exactly(tmp_path) -> None:
     assert stopped.value.exit_code == 128 + signal.SIGTERM
     assert "stopped by signal SIGTERM" in str(stopped.value)
     stopped_at = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
-    assert 40 <= stopped_at < 6 * 22
+    assert 40 <= stopped_at < 3 * 22
     resumed = run_job(run_dir, *overrides)
     assert f"at step {stopped_at}" in resumed.output
     assert_same_weights(reference / "checkpoints" / "last.pt",
