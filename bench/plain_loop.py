@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from app.data import Digits, Synthetic
+from app.env import reproducible_matmuls
 from app.models import CNN, MLP
 from app.schedulers import warmup_cosine
-from app.training.runtime import reproducible_matmuls
 
 # Like with like: the app runs MKL in its strict mode (the same bits on any thread count), and
 # MKL's default mode rounds some products differently, by how much depending on the processor.

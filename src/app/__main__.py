@@ -17,14 +17,13 @@ from omegaconf import DictConfig
 from app.compose_errors import explain_composition_errors
 from app.conf_dir import config_dir
 from app.config import register_schemas, to_app_config
-from app.env import enter, this_process
+from app.env import enter, reproducible_matmuls, this_process
 from app.errors import AppError, Interrupted, RunDirInUse, UserError, one_line
 from app.launch.plan import launch, spawns_workers
 from app.launch.run_lock import owns_run, take
 from app.launch.spawn import prestart
 from app.reporting.results import write_result
 from app.resolvers import register_resolvers
-from app.training.runtime import reproducible_matmuls
 
 log = logging.getLogger("app")
 

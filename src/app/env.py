@@ -161,3 +161,17 @@ def enter(env: ProcessEnv | None = None) -> ProcessEnv:
 def this_process() -> ProcessEnv:
     """What the entry of this process detected (detected now where no entry of ours ran)."""
     return _entered if _entered is not None else enter()
+
+
+def reproducible_matmuls() -> None:
+    """MKL's strict reproducibility mode (MKL_CBWR=AUTO,STRICT), unless the user set one.
+
+    MKL's matrix products otherwise round differently with another thread count, so a run
+    resumed with another count (a Slurm job requeued onto other cores, OMP_NUM_THREADS changed,
+    MKL picking fewer threads under load) would not repeat the first bit for bit; in strict mode
+    it does, at no measurable cost (docs/measurements.md, bench/blas_mode.py). MKL reads the
+    setting at its first call, so this runs before any computation; workers inherit it.
+    Convolutions (oneDNN) and PyTorch's own reductions still depend on the thread count. It
+    lives here, without torch, so that the entry can set it before torch is imported.
+    """
+    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")

@@ -14,20 +14,6 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def reproducible_matmuls() -> None:
-    """MKL's strict reproducibility mode (MKL_CBWR=AUTO,STRICT), unless the user set one.
-
-    MKL's matrix products otherwise round differently with another thread count: 1 thread
-    against 2 moved the weights of a 12-step MLP run by 5e-6 here, so a run resumed with
-    another count (a Slurm job requeued onto other cores, OMP_NUM_THREADS changed, MKL picking
-    fewer threads under load) would not repeat the first bit for bit. In strict mode the same
-    run gives the same bits with 1 or 2 threads, at no cost measured here (make bench). MKL
-    reads the setting at its first call, so this runs before any computation; workers inherit
-    it. Convolutions (oneDNN) and PyTorch's own reductions still depend on the thread count.
-    """
-    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-
-
 def share_cpu_threads(local_processes: int) -> None:
     """Intra-op threads of one of `local_processes` CPU ranks on a machine. Left alone, each
     rank takes a thread per core, and N ranks x N threads on N cores spin against each other:
