@@ -114,7 +114,7 @@ def _split(num: int, val_fraction: float, split_seed: int) -> tuple[torch.Tensor
 
 
 def _digits_file() -> Path | None:
-    # find_spec locates scikit-learn without importing it (an import costs about a second).
+    # find_spec locates scikit-learn without importing it (a slow import: docs/measurements.md).
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
         return None

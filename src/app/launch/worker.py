@@ -42,7 +42,7 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device,
     if cfg.detail and dist.is_main():
         log.info("config:\n%s", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     # Each mode's module is imported only when chosen: predict and export pull in extra
-    # libraries (matplotlib, torch.export) that a training run should not pay for.
+    # libraries (torch.export, the pictures) that a training run should not pay for.
     if cfg.trainer.mode == Mode.trainval:
         from app.training.loop import train as run
     elif cfg.trainer.mode == Mode.eval:

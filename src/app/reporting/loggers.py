@@ -105,7 +105,7 @@ class MetricLogger:
         self.csv = CSVLogger(run_dir / "metrics.csv", resume_step)
         self.tb = None
         if config.tensorboard:
-            # Imported here: tensorboard costs about a second to import, paid only when used.
+            # Imported here, paid only when used: a slow import (docs/measurements.md).
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resume_step)

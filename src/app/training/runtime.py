@@ -17,9 +17,9 @@ log = logging.getLogger(__name__)
 def share_cpu_threads(local_processes: int) -> None:
     """Intra-op threads of one of `local_processes` CPU ranks on a machine. Left alone, each
     rank takes a thread per core, and N ranks x N threads on N cores spin against each other:
-    the default job as a Slurm job of 2 CPU tasks took 44 s instead of 22 s on 2 cores. A rank
-    whose CPU set is narrower than the machine is taken to be bound to cores of its own (Slurm's
-    task binding, taskset) and uses them all. OMP_NUM_THREADS, when set, wins."""
+    the default job as a Slurm job of 2 CPU tasks took twice as long (docs/measurements.md). A
+    rank whose CPU set is narrower than the machine is taken to be bound to cores of its own
+    (Slurm's task binding, taskset) and uses them all. OMP_NUM_THREADS, when set, wins."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     usable = len(os.sched_getaffinity(0))
@@ -83,7 +83,7 @@ def apply_runtime_flags(cfg: Any, device: torch.device, ranks_here: int | None =
         torch.backends.cudnn.allow_tf32 = cfg.tf32
     # Always an explicit count, even PyTorch's default: only torch.set_num_threads turns MKL's
     # dynamic threading off, and MKL's matmuls round differently with 1 thread than with 2
-    # (about 2e-6 on a 16x4096 by 4096x4096 product), so a process whose MKL picked another
+    # on some processors (docs/measurements.md), so a process whose MKL picked another
     # count would no longer repeat a run bit for bit.
     if device.type == "cpu" and ranks_here is not None:  # the ranks share this machine's cores
         share_cpu_threads(ranks_here)
