@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import textwrap
 
 import pytest
@@ -216,12 +217,17 @@ def test_resume_is_exact_with_ema_accumulation_and_bf16_mixed(tmp_path) -> None:
 # -- runtime flags, memory reservation, detail ----------------------------------------------
 
 def test_runtime_flags_occupy_and_detail(tmp_path) -> None:
+    handler = signal.getsignal(signal.SIGTERM)
     result = run_job(tmp_path / "run", "debug=fast", "model.channels=[8,16]",
                      "deterministic=true", "tf32=false", "occupy=0.5",
                      "distributed.omp_threads=1", "detail=true")
     assert "occupy=0.5: no GPU here, nothing reserved" in result.output
     assert "model summary:" in result.output and "total" in result.output
     assert "config:" in result.output and "deterministic: true" in result.output
+    # The run turned deterministic algorithms on for the whole process; run_job put the
+    # process back as it was, so that the next test in this pytest worker is not affected.
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert signal.getsignal(signal.SIGTERM) is handler
 
 
 # -- custom components and partial loading --------------------------------------------------
