@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-# What `python -m app` sets before MKL's first call (app.training.runtime.reproducible_matmuls):
+# What `python -m app` sets before MKL's first call (app.env.reproducible_matmuls):
 # the in-process runs below must round as the CLI's do, and before torch computes anything.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
