@@ -11,8 +11,8 @@ from datetime import datetime
 import pytest
 
 from app import env as env_module
-from app.config import UserError
 from app.env import SINGLE, Kind, check_horovod, detect, first_host, spawned
+from app.errors import UserError
 from app.launch.plan import device_count, resolve_devices
 from app.run_name import run_name
 

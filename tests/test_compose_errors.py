@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from app.compose_errors import explain
-from app.config import UserError
+from app.errors import UserError
 from app.training.build import build_data, build_model
 from conftest import make_config
 
@@ -127,6 +127,8 @@ def test_a_renamed_key_names_its_new_name(override: str, line: str) -> None:
     ("trainer.monitor_mode=up", "trainer.monitor_mode=up: expected one of max, min"),
     ("distributed.start_method=thread",
      "distributed.start_method=thread: expected one of spawn, forkserver, fork"),
+    ("distributed.backend=foo",
+     "distributed.backend=foo: expected one of auto, nccl, gloo, mpi, ucc, hccl, xccl"),
 ])
 def test_a_value_outside_a_closed_set_fails_at_compose_in_one_line(override: str,
                                                                    line: str) -> None:

@@ -7,7 +7,8 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from app.config import AppConfig, Mode, UserError, validate
+from app.config import AppConfig, Mode, validate
+from app.errors import UserError
 from app.training.build import build_data, build_model, build_optimizer, build_scheduler
 from conftest import CONF_DIR, make_config
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import UserError
 from app.env import SINGLE
+from app.errors import UserError
 from app.launch import plan as launch_module
 from conftest import make_config
 

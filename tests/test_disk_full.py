@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from app import files
-from app.files import WriteFailed
+from app.errors import WriteFailed
 from app.reporting.loggers import CSVLogger
 from app.reporting.results import write_result
 from app.training.build import build_data, build_model

@@ -13,8 +13,9 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 from app import dist
-from app.config import UserError, validate
+from app.config import validate
 from app.env import SINGLE
+from app.errors import UserError
 from conftest import make_config
 
 

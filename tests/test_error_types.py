@@ -29,6 +29,20 @@ def test_every_error_class_of_the_app_is_defined_in_app_errors() -> None:
     assert {"AppError", "UserError", "Interrupted", "WorkerFailed", "RunDirInUse"} <= set(found)
 
 
+def test_the_app_imports_its_errors_from_app_errors_only() -> None:
+    # (app.config still re-exports UserError and AppError for users' code that imports them)
+    names = {n for n in dir(errors) if isinstance(getattr(errors, n), type)
+             and issubclass(getattr(errors, n), BaseException)}
+    elsewhere = []
+    for path in [*SRC.rglob("*.py"), *(SRC.parent / "hydra_plugins").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("app.") \
+                    and node.module != "app.errors":
+                elsewhere += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                              if a.name in names]
+    assert elsewhere == []
+
+
 def test_exit_status_comes_with_the_class() -> None:
     stop = Interrupted("stopped by signal SIGTERM at step 3", signal.SIGTERM)
     assert (stop.exit_code, stop.signum, isinstance(stop, AppError)) == (143, signal.SIGTERM,
@@ -50,3 +64,22 @@ def test_one_line_keeps_the_type_and_the_first_line() -> None:
     assert one_line(WorkerFailed("rank 1 failed: boom\n  more")) == (
         "WorkerFailed: rank 1 failed: boom")
     assert one_line(KeyboardInterrupt()) == "KeyboardInterrupt"
+
+
+def test_ctrl_c_before_the_loop_ends_in_one_line_with_130(tmp_path, monkeypatch, capsys) -> None:
+    import sys
+
+    import pytest
+
+    import app.__main__ as entry
+
+    def interrupted(*args):  # Ctrl-C while torch is imported, before any worker or loop
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(entry, "launch", interrupted)
+    monkeypatch.setattr(sys, "argv", ["app", "debug=fast", f"hydra.run.dir={tmp_path}",
+                                      "hydra/job_logging=none", "hydra/hydra_logging=none"])
+    with pytest.raises(SystemExit) as stop:
+        entry.main()
+    assert stop.value.code == 130
+    assert '"status": "interrupted"' in (tmp_path / "result.json").read_text()

@@ -272,7 +272,8 @@ def test_partial_loading_for_a_changed_head(trained, tmp_path) -> None:
 def test_occupy_validation() -> None:
     from hydra.errors import ConfigCompositionException
 
-    from app.config import UserError, validate
+    from app.config import validate
+    from app.errors import UserError
 
     with pytest.raises(UserError, match="occupy=1.5"):
         validate(make_config("occupy=1.5"))

@@ -111,7 +111,7 @@ def test_export_round_trip(trained, tmp_path) -> None:
 def test_export_fails_when_outputs_differ(trained, tmp_path, monkeypatch) -> None:
     import torch
 
-    from app.config import AppError
+    from app.errors import AppError
     from app.modes.export import run_export
 
     real_load = torch.jit.load

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import UserError
 from app.env import SINGLE, Kind, detect, spawned
+from app.errors import UserError
 from app.launch import plan as plan_module
 from app.launch.plan import How, plan, spawns_workers
 from conftest import make_config

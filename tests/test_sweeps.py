@@ -14,7 +14,7 @@ from datetime import datetime
 import pytest
 from omegaconf import OmegaConf
 
-from app.config import UserError
+from app.errors import UserError
 from app.reporting.loggers import MLflowLogger
 from conftest import REPO, TINY, assert_ok, multirun, read_metrics, run_app
 

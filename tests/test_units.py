@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,12 +16,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from app import dist
 from app.checkpoint import io as checkpoint
 from app.checkpoint import manager
-from app.config import AppError, UserError
+from app.errors import AppError, UserError
 from app.reporting.loggers import CSVLogger
 from app.schedulers import constant, step, warmup_cosine
 from app.training.build import ResumableSampler, ShardSampler
 from app.training.data_errors import DataItemError, NamedItems
 from app.training.runtime import rng_state, set_rng_state
+from conftest import make_config
 
 
 def test_save_is_atomic_and_links_share_one_file(tmp_path) -> None:
@@ -228,3 +230,16 @@ def test_a_dying_worker_server_is_seen_dead_while_it_exits(monkeypatch) -> None:
         assert spawn._forkserver_death() == f"(pid {pid}) was killed by SIGKILL"
     finally:
         os.waitpid(pid, 0)
+
+
+def test_the_worker_server_ignores_ctrl_c_while_it_imports_torch() -> None:
+    # Its imports run before it sets its own handlers: a Ctrl-C there ended it with a traceback.
+    import app.launch.spawn as spawn
+    from app._private import forkserver_pid
+
+    spawn.prestart(make_config("devices=2"))
+    pid = forkserver_pid()
+    status = Path(f"/proc/{pid}/status").read_text()
+    ignored = int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
+    assert ignored & (1 << (signal.SIGINT - 1)), status
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # ours is put back

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -86,6 +87,9 @@ def main(dict_cfg: DictConfig) -> float | None:
             else:
                 log.exception("the job failed")
             return math.nan
+        if isinstance(e, KeyboardInterrupt):  # Ctrl-C before the workers or the loop took it
+            log.error("stopped by SIGINT (Ctrl-C)")
+            sys.exit(128 + signal.SIGINT)
         if not isinstance(e, AppError):
             raise
         log.error("%s", e)
@@ -98,4 +102,8 @@ def main(dict_cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C while Hydra composes: one line, not a traceback
+        print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)

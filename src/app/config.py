@@ -72,6 +72,8 @@ def _choice(name: str, *values: str) -> Any:
 Precision = _choice("Precision", "32", "bf16-mixed", "16-mixed", "bf16-true")
 Accelerator = _choice("Accelerator", "auto", "cuda", "cpu", "mps", "npu", "xpu", "hpu")
 StartMethod = _choice("StartMethod", "spawn", "forkserver", "fork")
+# torch.distributed's backends; auto picks the device type's own (app.launch.plan.BACKENDS).
+Backend = _choice("Backend", "auto", "nccl", "gloo", "mpi", "ucc", "hccl", "xccl")
 # What the loop validates and logs (val/loss, val/acc): the metrics a run can monitor.
 Monitor = _choice("Monitor", "val/acc", "val/loss")
 
@@ -118,7 +120,7 @@ class ExportConfig:
 
 @dataclass
 class DistributedConfig:
-    backend: str = "auto"
+    backend: Backend = Backend("auto")
     timeout_s: float = 1800.0
     stall_timeout_s: float | None = 600.0
     start_method: StartMethod = StartMethod("forkserver")

@@ -32,8 +32,9 @@ import torch
 from torch import nn
 
 from app import dist
-from app.config import AppConfig, UserError
+from app.config import AppConfig
 from app.data import DataModule
+from app.errors import UserError
 from app.training.state import LoopState
 
 log = logging.getLogger(__name__)

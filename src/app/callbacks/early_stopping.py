@@ -7,7 +7,8 @@ from typing import Any
 
 from app.callbacks.base import Callback, Run
 from app.checks import whole
-from app.config import Monitor, MonitorMode, UserError
+from app.config import Monitor, MonitorMode
+from app.errors import UserError
 
 METRICS = tuple(m.value for m in Monitor)  # the metrics the loop logs at validation
 

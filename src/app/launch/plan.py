@@ -21,8 +21,9 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.config import AppConfig, Mode, UserError
+from app.config import Accelerator, AppConfig, Mode
 from app.env import ProcessEnv, check_horovod
+from app.errors import UserError
 from app.launch.rank_logs import setup_rank_logging
 from app.launch.spawn import spawn
 from app.launch.stacks import stacks_on_signal
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ACCELERATORS = ("auto", "cuda", "cpu", "mps", "npu", "xpu", "hpu")
+ACCELERATORS = tuple(a.value for a in Accelerator)  # (the submitit launcher checks it too)
 # The process-group backend each device type is best served by.
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "hpu": "hccl", "xpu": "xccl", "mps": "gloo",
             "cpu": "gloo"}
@@ -100,7 +101,7 @@ def plan(cfg: AppConfig, env: ProcessEnv) -> Plan:
     device, address or count that cannot work here."""
     check_horovod(os.environ, cfg.distributed.horovod)
     kind = resolve_accelerator(cfg.accelerator, cfg.accelerator_strict)
-    backend = BACKENDS[kind] if cfg.distributed.backend == "auto" else cfg.distributed.backend
+    backend = BACKENDS[kind] if cfg.distributed.backend == "auto" else str(cfg.distributed.backend)
     keep = {"backend": backend, "set_device_rank": cfg.distributed.set_device_rank}
     if env.is_rank:  # torchrun, a SLURM task or an MPI rank: this process is one rank
         if cfg.device_id is not None:

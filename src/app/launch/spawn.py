@@ -18,6 +18,7 @@ import select
 import shutil
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,7 +44,22 @@ def prestart(cfg: AppConfig) -> None:
     thread pool are inherited."""
     if cfg.distributed.start_method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)
+        _start_worker_server()
+
+
+def _start_worker_server() -> None:
+    """Start the worker server with Ctrl-C ignored: it imports torch first and sets its own
+    handlers only after that, so a Ctrl-C in that window would end it with a traceback (and
+    the next worker's start with another). The launcher alone answers Ctrl-C; each worker
+    takes SIGINT back at its start (app.launch.worker)."""
+    if threading.current_thread() is not threading.main_thread():
         multiprocessing.forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _ParentSignals:
@@ -228,6 +244,7 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
 
     if cfg.distributed.start_method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)  # (when prestart could not know)
+        _start_worker_server()
     ctx = multiprocessing.get_context(cfg.distributed.start_method)
     grace, devices, url = cfg.distributed.kill_grace_s, plan.devices, plan.url
     base_rank = cfg.machine_rank * devices

@@ -129,6 +129,7 @@ def _write_report(report: Path, name: str, **record: object) -> None:
 def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, plan: Plan,
                    report_dir: str, launcher_alive: Connection) -> None:
     """The target of each local worker process."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (the server ignored it)
     if cfg.machine_rank == 0:  # (the workers of the machine whose launcher owns the run)
         hold_as_worker(run_dir)  # no new owner of the run until this worker has ended
     _die_with_launcher(launcher_alive)

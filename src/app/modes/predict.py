@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.config import AppConfig, UserError
+from app.config import AppConfig
 from app.data import DataModule
+from app.errors import UserError
 from app.files import write_text_atomically
 from app.reporting.grids import save_grid
 from app.training.build import build_data, build_trained_model

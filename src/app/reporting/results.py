@@ -10,7 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from app.files import WriteFailed, write_text_atomically
+from app.errors import WriteFailed
+from app.files import write_text_atomically
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from app import dist
 from app.checkpoint import manager as checkpoint
-from app.config import AppConfig, UserError
+from app.config import AppConfig
 from app.data import DataModule
+from app.errors import UserError
 from app.training.data_errors import NamedItems, no_async_worker_errors
 
 log = logging.getLogger(__name__)

@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader
 from app import dist
 from app.callbacks import Callbacks, Run
 from app.checkpoint.manager import CheckpointManager
-from app.config import AppConfig, UserError
+from app.config import AppConfig
 from app.data import DataModule
-from app.errors import Interrupted
+from app.errors import Interrupted, UserError
 from app.launch import watchdog
 from app.modes.evaluate import evaluate
 from app.reporting.curves import draw_curves

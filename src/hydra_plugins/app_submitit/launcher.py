@@ -49,7 +49,8 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
     def _compose_and_validate(self, overrides: list[str], job_num: int) -> DictConfig:
         # app is imported lazily, as the stock plugin does with submitit: Hydra imports every
         # plugin module at start-up, and this one must not slow down runs that don't use it.
-        from app.config import AppError, to_app_config
+        from app.config import to_app_config
+        from app.errors import AppError
 
         assert self.hydra_context is not None and self.config is not None
         config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
@@ -92,7 +93,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
 
     def _check_allocation(self, devices: int | str, nodes: int) -> None:
         """One allocation serves every job of a sweep: it must fit each job's topology."""
-        from app.config import UserError
+        from app.errors import UserError
 
         if self._EXECUTOR == "slurm" and (devices, nodes) != (
                 self.params["tasks_per_node"], self.params["nodes"]):
