@@ -9,8 +9,7 @@ import os
 import pytest
 import torch
 
-from app.checkpoint import io as checkpoint
-from app.checkpoint import manager
+from app.checkpoint import io, manager
 from app.errors import UserError
 from app.training.build import build_data, build_model
 from conftest import TINY, Job, make_config, run_job
@@ -33,21 +32,21 @@ def test_a_crash_between_the_names_of_the_final_checkpoint_is_repaired_on_rerun(
     # What `strace -e inject=link:signal=KILL:when=N python -m app ...` does to the process:
     # the final checkpoint is on disk, and the link that would give it the name `crash_at`
     # never happens (nor anything after it).
-    run_dir, real_link = tmp_path / "run", checkpoint.link
+    run_dir, real_link = tmp_path / "run", io.link
 
     def link_then_die(source, name):
         if name.name == crash_at:
             raise Killed
         real_link(source, name)
 
-    monkeypatch.setattr(checkpoint, "link", link_then_die)
+    monkeypatch.setattr(io, "link", link_then_die)
     with pytest.raises(Killed):
         _train(run_dir)
     ckpts = run_dir / "checkpoints"
     final = ckpts / "step-00000003.pt"
     assert final.is_file() and not (ckpts / "best.pt").exists()
 
-    monkeypatch.setattr(checkpoint, "link", real_link)
+    monkeypatch.setattr(io, "link", real_link)
     rerun = _train(run_dir)  # nothing left to train
     assert "already finished at step 3" in rerun.output
     for name in ("last.pt", "best.pt"):
@@ -60,8 +59,8 @@ def test_a_resume_from_a_checkpoint_that_was_not_the_best_leaves_best_pt_alone(t
     ckpts.mkdir()
     for step in (1, 2):
         torch.save({"model": {}}, ckpts / f"step-{step:08d}.pt")
-    checkpoint.link(ckpts / "step-00000001.pt", ckpts / "best.pt")
-    checkpoint.link(ckpts / "step-00000002.pt", ckpts / "last.pt")
+    io.link(ckpts / "step-00000001.pt", ckpts / "best.pt")
+    io.link(ckpts / "step-00000002.pt", ckpts / "last.pt")
     manager.repair_names(ckpts, ckpts / "last.pt", {"is_best": False})
     assert os.path.samefile(ckpts / "best.pt", ckpts / "step-00000001.pt")
     manager.repair_names(ckpts, ckpts / "step-00000002.pt", {"is_best": True})

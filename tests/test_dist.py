@@ -61,13 +61,13 @@ def test_helpers_and_the_per_machine_group(tmp_path) -> None:
 
 def test_a_host_that_does_not_resolve_fails_before_any_worker_starts(tmp_path,
                                                                      monkeypatch) -> None:
-    from app.launch import plan as launch
+    from app.launch import plan
 
-    monkeypatch.setattr(launch, "spawn", lambda *a: pytest.fail("workers were started"))
+    monkeypatch.setattr(plan, "spawn", lambda *a: pytest.fail("workers were started"))
     cfg = make_config("devices=2", "dist_url=tcp://nonexistent.invalid:29511")
     with pytest.raises(UserError, match=r"^dist_url=tcp://nonexistent.invalid:29511: the host "
                                         r"nonexistent.invalid cannot be resolved"):
-        launch.launch(cfg, tmp_path, SINGLE)
+        plan.launch(cfg, tmp_path, SINGLE)
 
 
 @pytest.mark.parametrize("override,words", [
@@ -88,15 +88,15 @@ def test_the_stall_watchdog_can_be_turned_off() -> None:
 
 
 def test_cpu_devices_far_beyond_the_cores_are_refused(monkeypatch) -> None:
-    from app.launch import plan as launch
+    from app.launch import plan
 
-    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(plan.os, "cpu_count", lambda: 2)
     with pytest.raises(UserError, match=r"^devices=1000: this machine has 2 CPU core\(s\).*"
                                         r"use devices=2 or fewer$"):
-        launch.resolve_devices(1000, "cpu")
-    assert launch.resolve_devices(8, "cpu") == 8  # a few per core: a warning only
-    monkeypatch.setattr(launch.os, "cpu_count", lambda: 1)
-    assert launch.resolve_devices(2, "cpu") == 2  # a debugging run of 2 on one core
+        plan.resolve_devices(1000, "cpu")
+    assert plan.resolve_devices(8, "cpu") == 8  # a few per core: a warning only
+    monkeypatch.setattr(plan.os, "cpu_count", lambda: 1)
+    assert plan.resolve_devices(2, "cpu") == 2  # a debugging run of 2 on one core
 
 
 def test_ddp_syncs_buffers_as_asked_without_a_deprecation_warning() -> None:

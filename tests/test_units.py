@@ -14,26 +14,25 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from app import dist
-from app.checkpoint import io as checkpoint
-from app.checkpoint import manager
+from app.checkpoint import io, manager
+from app.checkpoint.rng import rng_state, set_rng_state
 from app.errors import AppError, UserError
 from app.reporting.loggers import CSVLogger
 from app.schedulers import constant, step, warmup_cosine
 from app.training.build import ResumableSampler, ShardSampler
 from app.training.data_errors import DataItemError, NamedItems
-from app.training.runtime import rng_state, set_rng_state
 from conftest import make_config
 
 
 def test_save_is_atomic_and_links_share_one_file(tmp_path) -> None:
     d = tmp_path / "checkpoints"
-    first = d / checkpoint.periodic_name(1)
-    checkpoint.save({"model": {"w": torch.ones(3)}}, first)
-    checkpoint.link(first, d / "last.pt")
+    first = d / io.periodic_name(1)
+    io.save({"model": {"w": torch.ones(3)}}, first)
+    io.link(first, d / "last.pt")
     assert os.path.samefile(first, d / "last.pt")
-    second = d / checkpoint.periodic_name(2)
-    checkpoint.save({"model": {"w": torch.zeros(3)}}, second)
-    checkpoint.link(second, d / "last.pt")
+    second = d / io.periodic_name(2)
+    io.save({"model": {"w": torch.zeros(3)}}, second)
+    io.link(second, d / "last.pt")
     assert torch.equal(manager.load(d / "last.pt")["model"]["w"], torch.zeros(3))
     assert torch.equal(manager.load(first)["model"]["w"], torch.ones(3))
     assert not list(d.glob(".*.tmp"))
@@ -41,7 +40,7 @@ def test_save_is_atomic_and_links_share_one_file(tmp_path) -> None:
 
 def test_failed_write_keeps_previous_file(tmp_path, monkeypatch) -> None:
     path = tmp_path / "last.pt"
-    checkpoint.save({"model": {"w": torch.ones(2)}}, path)
+    io.save({"model": {"w": torch.ones(2)}}, path)
 
     def broken_save(obj, f):
         f.write(b"partial")
@@ -49,19 +48,19 @@ def test_failed_write_keeps_previous_file(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(torch, "save", broken_save)
     with pytest.raises(AppError, match="could not be written .* already on disk are intact"):
-        checkpoint.save({"model": {"w": torch.zeros(2)}}, path)
+        io.save({"model": {"w": torch.zeros(2)}}, path)
     assert torch.equal(manager.load(path)["model"]["w"], torch.ones(2))
     assert not list(tmp_path.glob(".*.tmp"))  # the partial file is gone
 
 
 def test_prune_keeps_newest_and_named_links(tmp_path) -> None:
     for s in range(1, 6):
-        checkpoint.save({"model": {}}, tmp_path / checkpoint.periodic_name(s))
-    checkpoint.link(tmp_path / checkpoint.periodic_name(1), tmp_path / "best.pt")
-    checkpoint.prune(tmp_path, keep=2)
+        io.save({"model": {}}, tmp_path / io.periodic_name(s))
+    io.link(tmp_path / io.periodic_name(1), tmp_path / "best.pt")
+    io.prune(tmp_path, keep=2)
     names = sorted(p.name for p in tmp_path.glob("*.pt"))
-    assert names == ["best.pt", checkpoint.periodic_name(4), checkpoint.periodic_name(5)]
-    checkpoint.prune(tmp_path, keep=0)
+    assert names == ["best.pt", io.periodic_name(4), io.periodic_name(5)]
+    io.prune(tmp_path, keep=0)
     assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["best.pt"]
 
 

@@ -1,5 +1,5 @@
 """The progress watchdog: a rank that stops making progress ends the job, named, with every
-rank's Python stack on disk (app.launch.watchdog)."""
+rank's Python stack on disk (app.launch.watchdog, reading app.progress)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from app import progress
 from app.launch import stacks, watchdog
 from app.launch.stacks import DUMP_SIGNAL
 from app.launch.watchdog import Peer, describe, judge
@@ -89,7 +90,7 @@ def test_a_rank_writing_a_checkpoint_makes_progress() -> None:
     peer.update(record, 1.0)
     peer.update({**record, "beat": 2, "busy": True}, 50.0)  # the same ticks, but writing
     assert peer.moved_at == 50.0
-    with watchdog.busy():
+    with progress.busy():
         assert json.loads(watchdog.Watchdog(0, 2, STALL, Path("r"), print)._record(0))["busy"]
 
 
@@ -99,10 +100,10 @@ def test_a_rank_waiting_for_a_requeue_counts_as_ended() -> None:
     dog = watchdog.Watchdog(1, 2, STALL, Path("r"), print)
     assert not json.loads(dog._record(0))["done"]
     try:
-        watchdog.leave()
+        progress.leave()
         assert json.loads(dog._record(0))["done"]
     finally:
-        watchdog._left = False
+        progress._left = False
 
 
 def test_a_wait_for_the_device_counts_as_waiting() -> None:
@@ -136,7 +137,7 @@ def test_each_verdict_writes_a_section_of_its_own(tmp_path, monkeypatch) -> None
                 dog._end({"id": message, "time": "now", "message": message, "wake": []})
             except SystemExit as e:
                 assert e.code == watchdog.EXIT_CODE
-    watchdog._stalled.clear()
+    progress.stalled.clear()
     text = path.read_text()
     assert text.startswith("Thread 0x1") and stalls == ["first stall", "second stall"]
     sections = text.split("=== ")[1:]
@@ -165,7 +166,7 @@ def test_what_counts_as_waiting_for_the_other_ranks() -> None:
         torch_dir, "autograd", "graph.py")))  # DDP's gradient all-reduce
     assert not watchdog._waits_for_others(frame("forward", "/work/models.py"))
     assert not watchdog._waits_for_others(None)
-    with watchdog.waiting():  # an asynchronous collective's wait()
+    with progress.waiting():  # an asynchronous collective's wait()
         assert watchdog._waits_for_others(frame("should_stop", "/work/stop.py"))
 
 

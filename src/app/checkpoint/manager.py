@@ -29,9 +29,9 @@ from omegaconf import OmegaConf
 
 from app import dist
 from app.checkpoint import io
+from app.checkpoint.rng import rng_state, set_rng_state
 from app.checkpoint.writer import CheckpointWriter
 from app.errors import UserError
-from app.training.runtime import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from app.callbacks import Callbacks

@@ -6,7 +6,7 @@ optimizer state, EMA weights: the bulk of a checkpoint) are copied by the writer
 the loop runs the next forward and backward; the update (optimizer step, EMA) waits for
 that copy (`hold_until_copied`, which the train step calls first). The rest (buffers such
 as batch-norm statistics, which a forward changes) is copied at once. The thread then writes
-the copy with the same atomic `checkpoint.save` (temporary file, fsync, rename), so a crash
+the copy with the same atomic `app.checkpoint.io.save` (temporary file, fsync, rename), so a crash
 during the write leaves the previous checkpoint intact. One write is in flight at a time, so
 memory stays bounded at one copy of the state; a write error is raised at the loop's next
 save or wait.
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from app.checkpoint import io as checkpoint
-from app.launch import watchdog
+from app import progress
+from app.checkpoint import io
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +48,12 @@ class CheckpointWriter:
         asked; returns the seconds the caller was blocked. The tensors of the state that are
         `changed_only_by_step` are copied in the background, before the next optimizer step."""
         start = time.perf_counter()
-        watchdog.tick()  # progress, for the stall watchdog (as is the end of each write)
+        progress.tick()  # progress, for the stall watchdog (as is the end of each write)
         self.saves += 1
         self.wait()  # the previous write: one copy of the state at a time, files in order
         if not self.background:
-            with watchdog.busy():  # progress that does not tick (a large file, an fsync)
-                checkpoint.save(state, path)
+            with progress.busy():  # progress that does not tick (a large file, an fsync)
+                io.save(state, path)
             then()
             self.waited_s += time.perf_counter() - start
             return time.perf_counter() - start
@@ -61,7 +61,7 @@ class CheckpointWriter:
         self._from_cuda = False
         copy = self._copy(state, itertools.count())
         if self._from_cuda:
-            with watchdog.waiting():  # (behind the device's queue: a collective, with NCCL)
+            with progress.waiting():  # (behind the device's queue: a collective, with NCCL)
                 torch.cuda.synchronize()  # the device-to-host copies were asynchronous
         self._copied.clear()
         self._thread = threading.Thread(target=self._write, args=(copy, path, then, start),
@@ -98,9 +98,9 @@ class CheckpointWriter:
             self._deferred.clear()
             self._copied.set()
         try:
-            with watchdog.busy():  # progress that does not tick (a large file, an fsync)
-                checkpoint.save(state, path)
-            watchdog.tick()
+            with progress.busy():  # progress that does not tick (a large file, an fsync)
+                io.save(state, path)
+            progress.tick()
             then()
             log.debug("%s written %.2f s after the save began", path.name,
                       time.perf_counter() - start)

@@ -2,25 +2,26 @@
 the job, named, with every rank's Python stack on disk, instead of holding the job for
 distributed.timeout_s.
 
-The loop ticks a counter (`tick()`: each train step, each validation batch, each phase of a
-checkpoint write), which costs an integer increment. A thread per rank publishes, about once a
-second, the counter with the rank's host, pid and last step to the process group's store and
-reads the other ranks' records there (a second thread judges them, so that a store that stops
-answering is noticed too). When no rank's counter has moved for distributed.stall_timeout_s,
-the job has stalled, and the culprits are the ranks that do not wait in a collective: a rank
-whose records stopped coming (stopped by SIGSTOP or a debugger, or stuck without the GIL), or
-whose main thread is outside torch.distributed and the autograd engine (a dead loop, a sleep, a
-deadlock of its own). The first rank to see it writes the verdict to the store; every rank then
-writes its stacks to `logs/rank{N}.stacks` (a section of its own per verdict, after a header
-with the time and the verdict) and ends. A stopped rank cannot write: a rank on its host sends
-it the stack-dump signal and then SIGCONT, so that the dump runs (and the woken rank ends like
-the others). Once a rank knows the verdict it makes no more progress (`tick()` blocks): no rank
-trains on, validates or writes a checkpoint after the verdict, and a collective that fails
-because another rank ended is reported as the stall (`hold_if_stalled`).
+The loop ticks a counter (`tick()` of app.progress, this rank's record: each train step, each
+validation batch, each phase of a checkpoint write), which costs an integer increment. A thread
+per rank publishes, about once a second, the counter with the rank's host, pid and last step to
+the process group's store and reads the other ranks' records there (a second thread judges
+them, so that a store that stops answering is noticed too). When no rank's counter has moved
+for distributed.stall_timeout_s, the job has stalled, and the culprits are the ranks that do
+not wait in a collective: a rank whose records stopped coming (stopped by SIGSTOP or a
+debugger, or stuck without the GIL), or whose main thread is outside torch.distributed and the
+autograd engine (a dead loop, a sleep, a deadlock of its own). The first rank to see it writes
+the verdict to the store; every rank then writes its stacks to `logs/rank{N}.stacks` (a section
+of its own per verdict, after a header with the time and the verdict) and ends. A stopped rank
+cannot write: a rank on its host sends it the stack-dump signal and then SIGCONT, so that the
+dump runs (and the woken rank ends like the others). Once a rank knows the verdict it makes no
+more progress (`tick()` blocks): no rank trains on, validates or writes a checkpoint after the
+verdict, and a collective that fails because another rank ended is reported as the stall
+(`hold_if_stalled`).
 
 Only training and evaluation are judged, and only after every rank's first step (or batch):
 building the data set, loading a checkpoint and the first step (a compile) are not progress
-that ticks. A rank inside a checkpoint write (`busy()`) makes progress.
+that ticks. A rank inside a checkpoint write (`progress.busy()`) makes progress.
 
 Every process of a run writes its stacks on the dump signal (`kill -s RTMIN+4 PID`), watched or
 not (`dump_stacks_to`): a rank to `logs/rank{N}.stacks`, the launcher of spawned workers to
@@ -41,12 +42,13 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from app import progress
 from app._private import process_group_store
 from app.launch.stacks import is_stopped, running, stacks_on_signal, wake_to_dump
 
@@ -57,28 +59,7 @@ VERDICT = KEY + "verdict"
 STORE_TIMEOUT_S = 30.0  # a store call that takes longer fails (the judge looks at the clock)
 EXIT_CODE = 1
 
-_ticks = 0
-_waits = 0
-_busy = 0
-_left = False
-_run: Any = None
-_stalled = threading.Event()  # this rank knows the verdict: it makes no more progress
 _watchdog: Watchdog | None = None  # the one running in this process
-
-
-def tick() -> None:
-    """Progress: called by the loop at each step, validation batch and checkpoint phase. Once a
-    verdict has ended the job, it blocks until the watchdog ends the process: a rank that ran
-    on would log validations and write checkpoints after the verdict."""
-    global _ticks
-    if _stalled.is_set():
-        _block()
-    _ticks += 1
-
-
-def _block() -> None:
-    while True:  # until the watchdog's thread ends the process (os._exit)
-        time.sleep(3600)
 
 
 def hold_if_stalled(within_s: float = 0.0) -> None:
@@ -87,46 +68,8 @@ def hold_if_stalled(within_s: float = 0.0) -> None:
     collective): the process waits for the watchdog to report the stall and end it instead."""
     if _watchdog is None:
         return
-    if _stalled.wait(within_s):
-        _block()
-
-
-@contextlib.contextmanager
-def busy() -> Iterator[None]:
-    """Marks a phase that makes progress without ticking (a checkpoint's write to disk)."""
-    global _busy
-    _busy += 1
-    try:
-        yield
-    finally:
-        _busy -= 1
-
-
-def leave() -> None:
-    """This rank is about to end (a requeue: rank 0 requeues the job, the others wait for
-    Slurm to end them): the others take it for ended, not stalled."""
-    global _left
-    _left = True
-
-
-def follow(run: Any) -> None:
-    """Report `run.step` (which the training loop keeps current) as this rank's last step."""
-    global _run
-    _run = run
-
-
-@contextlib.contextmanager
-def waiting() -> Iterator[None]:
-    """Marks a wait for the other ranks that has no torch.distributed frame of its own: the
-    `wait()` of an asynchronous collective's handle, and a wait for the device. With NCCL a
-    collective only queues work on the device and returns: the host waits for a slow rank
-    later, at the next sync point of the app's own code (`.item()`, `bool(tensor)`)."""
-    global _waits
-    _waits += 1
-    try:
-        yield
-    finally:
-        _waits -= 1
+    if progress.stalled.wait(within_s):
+        progress.block()
 
 
 # Where a main thread waits for the other ranks: inside torch.distributed (collectives,
@@ -139,7 +82,7 @@ _WAIT_FUNCTIONS = {"_engine_run_backward", "run_backward"}
 
 def _waits_for_others(frame: Any) -> bool:
     """Whether a thread whose innermost Python frame is `frame` waits for the other ranks."""
-    if _waits:
+    if progress.in_wait():
         return True
     if frame is None:
         return False
@@ -284,9 +227,10 @@ class Watchdog:
 
     def _record(self, beat: int) -> str:
         frame = sys._current_frames().get(self.main_ident)
-        return json.dumps({"ticks": _ticks, "beat": beat, "step": getattr(_run, "step", None),
-                           "host": self.host, "pid": self.pid, "busy": _busy > 0,
-                           "done": self.stop_event.is_set() or _left,
+        mine = progress.record()
+        return json.dumps({"ticks": mine["ticks"], "beat": beat, "step": mine["step"],
+                           "host": self.host, "pid": self.pid, "busy": mine["busy"],
+                           "done": self.stop_event.is_set() or mine["left"],
                            "waiting": _waits_for_others(frame)})
 
     def _io(self) -> None:
@@ -308,7 +252,7 @@ class Watchdog:
                     client.compare_set(VERDICT, "", self.proposal)
                 if client.check([VERDICT]):
                     self.verdict = json.loads(client.get(VERDICT))
-                    _stalled.set()  # from now on this rank makes no progress
+                    progress.stalled.set()  # from now on this rank makes no progress
                     return  # no more calls: the store may end with its server any moment
                 seen |= {r for r in range(self.world_size)
                          if r not in seen and client.check([keys[r]])}
@@ -373,7 +317,7 @@ class Watchdog:
 
     def _end(self, verdict: dict[str, Any]) -> None:
         """Write this rank's stacks, wake stopped ranks of this host to write theirs, end."""
-        _stalled.set()
+        progress.stalled.set()
         if _header(verdict, self.rank) not in _read(self.stacks_path):  # (woken: written)
             with open(self.stacks_path, "a") as f:
                 f.write(_header(verdict, self.rank) + f" (pid {self.pid}, host {self.host})\n")

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from app import dist
-from app.checkpoint import manager as checkpoint
+from app.checkpoint import manager
 from app.config import AppConfig
 from app.data import DataModule
 from app.errors import UserError
@@ -58,11 +58,11 @@ def build_model(cfg: AppConfig, data: DataModule) -> nn.Module:
 
 
 def build_trained_model(cfg: AppConfig, data: DataModule
-                        ) -> tuple[nn.Module, checkpoint.TrainedAt]:
+                        ) -> tuple[nn.Module, manager.TrainedAt]:
     """The model of `cfg` with the weights of `cfg.ckpt` that validation used (EMA's when the
     run kept one), in eval mode, on the CPU; and the step and epoch they were saved at."""
     model = build_model(cfg, data)
-    trained_at = checkpoint.load_inference_weights(model, cfg.ckpt)
+    trained_at = manager.load_inference_weights(model, cfg.ckpt)
     return model.eval(), trained_at
 
 

@@ -16,14 +16,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from app import dist
+from app import dist, progress
 from app.callbacks import Callbacks, Run
 from app.checkpoint.manager import CheckpointManager
 from app.config import AppConfig
 from app.data import DataModule
 from app.errors import Interrupted, UserError
-from app.launch import watchdog
-from app.modes.evaluate import evaluate
 from app.reporting.curves import draw_curves
 from app.reporting.loggers import MetricLogger
 from app.training.build import (
@@ -47,6 +45,7 @@ from app.training.state import (
 )
 from app.training.step import FiniteLosses, TrainStep
 from app.training.stop import StopRequest
+from app.training.validate import validate
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +80,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     state = LoopState()  # shared by the loop, the callbacks' `run` and the checkpoints
     run = Run(cfg, run_dir, device, model, eval_model, optimizer, data,
               global_batch=global_batch, total_steps=total_steps, state=state)
-    watchdog.follow(run)  # the stall watchdog names run.step
+    progress.follow(run)  # the stall watchdog names run.step
 
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg, train_step, state, callbacks)
     checkpoints.restore()  # resume=, or the weights of ckpt=, or nothing
@@ -110,7 +109,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
 
                 val_metrics, is_best = None, False
                 if should_validate(state, t, done):
-                    val_metrics, _ = evaluate(eval_model, val_loader, device)
+                    val_metrics, _ = validate(eval_model, val_loader, device)
                     is_best = improved(val_metrics[metric], state.best, t.monitor_mode)
                     if is_best:
                         state.best = val_metrics[metric]
@@ -124,7 +123,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
 
                 stopping = stop.should_stop()
                 if done or stopping or should_checkpoint(state, t, is_best):
-                    with watchdog.waiting():  # (a wait for the device, as at .item())
+                    with progress.waiting():  # (a wait for the device, as at .item())
                         losses.flush()  # never a checkpoint of weights a non-finite loss made
                     checkpoints.save(val_metrics, is_best, last=done or stopping)
                 if stopping:
@@ -205,8 +204,8 @@ class _Report:
         """Every rank calls it (the loss is averaged over them)."""
         step, epoch = self.run.step, self.run.epoch
         # .item() waits for the device: only on logging steps. With NCCL that is where the
-        # host waits for a slow rank (app.launch.watchdog.waiting).
-        with watchdog.waiting():
+        # host waits for a slow rank (app.progress.waiting).
+        with progress.waiting():
             loss_value = dist.all_reduce_mean(loss.detach()).item()
         metrics = {"loss": loss_value, "lr": lr}
         self.callbacks.log(self.run, step, metrics)

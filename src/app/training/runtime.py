@@ -1,5 +1,6 @@
-"""The process's numeric settings (threads, determinism, TF32, MKL, memory reservation), seeding
-and the random-number state that checkpoints carry. The device is chosen in app.launch.plan."""
+"""The process's numeric settings (threads, determinism, TF32, MKL, memory reservation) and
+seeding. The random-number state that checkpoints carry is app.checkpoint.rng; the device is
+chosen in app.launch.plan."""
 
 from __future__ import annotations
 
@@ -32,39 +33,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    """The global generators' states as tensors and plain types (for weights_only loading)."""
-    np_state = np.random.get_state(legacy=False)
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {
-            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state({
-        "bit_generator": "MT19937",
-        "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
-        "has_gauss": n["has_gauss"],
-        "gauss": n["gauss"],
-    })
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def apply_runtime_flags(cfg: Any, device: torch.device, ranks_here: int | None = None) -> None:

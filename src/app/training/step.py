@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app import dist
+from app import dist, progress
 from app.errors import AppError, UserError
-from app.launch import watchdog
 from app.training.ema import ModelEMA
 
 
@@ -37,7 +36,7 @@ def _finite_everywhere(loss: torch.Tensor) -> bool:
     bad = (~torch.isfinite(loss)).to(torch.int32)
     if dist.world_size() > 1:
         bad = dist.all_reduce_max(bad)
-    with watchdog.waiting():  # a wait for the device, where NCCL waits for the others
+    with progress.waiting():  # a wait for the device, where NCCL waits for the others
         return not bool(bad)
 
 
@@ -65,7 +64,7 @@ class TrainStep:
     def __call__(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
                  ) -> torch.Tensor:
         """Train on `micro_batches` as one batch; returns their mean loss (detached)."""
-        watchdog.tick()  # progress, for the stall watchdog
+        progress.tick()  # progress, for the stall watchdog
         n = len(micro_batches)
         losses = []
         for i, (x, y) in enumerate(micro_batches):
@@ -137,7 +136,7 @@ class FiniteLosses:
 
     @staticmethod
     def _raise_unless_finite(finite: torch.Tensor, loss: torch.Tensor, step: int) -> None:
-        with watchdog.waiting():  # a wait for the device (a slow rank's, with NCCL)
+        with progress.waiting():  # a wait for the device (a slow rank's, with NCCL)
             finite_value = bool(finite)
         if not finite_value:
             raise AppError(

@@ -21,8 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from app import dist
-from app.launch import watchdog
+from app import dist, progress
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
@@ -63,7 +62,7 @@ class StopRequest:
             return
         handler = self._previous[self.requeue_signal]
         self.__exit__(None)
-        watchdog.leave()  # (the wait for Slurm to end this rank is not a stall)
+        progress.leave()  # (the wait for Slurm to end this rank is not a stall)
         if dist.rank() == 0:
             handler(self.requeue_signal, None)
         else:
@@ -75,7 +74,7 @@ class StopRequest:
         agreed = False
         if self._pending is not None:
             work, flag = self._pending
-            with watchdog.waiting():
+            with progress.waiting():
                 work.wait()
             agreed = flag.item() > 0
             if agreed and self.signal is None:
