@@ -73,11 +73,16 @@ class Job:
 
 
 def run_job(run_dir: Path, *overrides: str, user_code: Path | None = None) -> Job:
-    """`python -m app OVERRIDES hydra.run.dir=run_dir` in this process, for a one-process job:
-    the config composed, converted and validated as the entry does, then the same `launch()`
-    (a bad config raises its UserError here instead of exiting 2). `user_code`: a folder of
-    the user's modules, as PYTHONPATH gives it to the CLI. The process is left as it was
-    (`_process_left_alone`), so the runs of one pytest worker cannot affect each other."""
+    """`python -m app OVERRIDES hydra.run.dir=run_dir` in this process: the config composed,
+    converted and validated as the entry does, then the same `launch()` (a bad config raises
+    its UserError here instead of exiting 2; failed workers raise WorkerFailed). With
+    `devices=N` the workers start as the CLI starts them, from the worker server
+    (forkserver) this process keeps for all its runs: a DDP run costs a second or two instead
+    of a new interpreter, a new server and its imports. Their lines go to their logs
+    (`logs/rank*.log`), not to `Job.output`. `user_code`: a folder of the user's modules, as
+    PYTHONPATH gives it to the CLI (workers get this process's sys.path). The process is left
+    as it was (`_process_left_alone`), so the runs of one pytest worker cannot affect each
+    other."""
     from app.env import SINGLE  # (torch, the whole app: once per test process)
     from app.launch.plan import launch
 

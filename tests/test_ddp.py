@@ -1,4 +1,8 @@
-"""Several processes for real (gloo on the CPU): spawn, torchrun, sweeps, exact resume."""
+"""Several processes for real (gloo on the CPU): spawn, torchrun, sweeps, exact resume.
+
+The DDP arithmetic (batch split, evaluation counts, exact resume) runs in this process
+(`run_job`, whose workers are real processes too); the CLI where the processes are the
+subject: the default job's console, start methods, torchrun, sweeps."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from conftest import (
     multirun,
     read_metrics,
     run_app,
+    run_job,
 )
 
 
@@ -31,8 +36,8 @@ def test_two_workers_reach_the_accuracy_bar(tmp_path) -> None:
 
 def test_two_workers_of_batch_b_equal_one_of_batch_2b(tmp_path) -> None:
     same = [*TINY, "trainer.max_epochs=1", "model.dropout=0", "trainer.ckpt_every_n_epochs=null"]
-    one = assert_ok(run_app(tmp_path / "one", *same, "devices=1", "data.batch_size=64"))
-    two = assert_ok(run_app(tmp_path / "two", *same, "devices=2", "data.batch_size=32"))
+    one = run_job(tmp_path / "one", *same, "devices=1", "data.batch_size=64")
+    two = run_job(tmp_path / "two", *same, "devices=2", "data.batch_size=32")
     rows_one, rows_two = read_metrics(one.run_dir), read_metrics(two.run_dir)
     assert [r["step"] for r in rows_one] == [r["step"] for r in rows_two]
     for a, b in zip(rows_one, rows_two, strict=True):
@@ -43,9 +48,8 @@ def test_eval_counts_each_sample_once_with_an_odd_split(trained, tmp_path) -> No
     ckpt = trained / "checkpoints" / "best.pt"
     records = []
     for devices in (1, 2):
-        result = assert_ok(run_app(tmp_path / f"eval{devices}", "trainer=eval", f"ckpt={ckpt}",
-                                   "model.channels=[8,16]", f"devices={devices}",
-                                   "data.val_batch_size=50"))
+        result = run_job(tmp_path / f"eval{devices}", "trainer=eval", f"ckpt={ckpt}",
+                         "model.channels=[8,16]", f"devices={devices}", "data.val_batch_size=50")
         records.append(json.loads((result.run_dir / "eval.json").read_text()))
     assert records[1]["world_size"] == 2
     assert records[0]["num_samples"] == records[1]["num_samples"] == 359  # odd: 180 + 179
@@ -57,10 +61,10 @@ def test_resume_with_two_workers_is_exact(tmp_path) -> None:
     # 11 steps per epoch per worker; step 15 lies in the middle of epoch 2.
     overrides = [*TINY, "devices=2", "trainer.max_epochs=3", "trainer.ckpt_every_n_steps=5",
                  "trainer.keep_last=100"]
-    reference = assert_ok(run_app(tmp_path / "reference", *overrides)).run_dir
+    reference = run_job(tmp_path / "reference", *overrides).run_dir
     source = reference / "checkpoints" / "step-00000015.pt"
     assert len(load_state(source)["rng"]) == 2  # each rank's random state
-    resumed = assert_ok(run_app(tmp_path / "resumed", *overrides, f"resume={source}")).run_dir
+    resumed = run_job(tmp_path / "resumed", *overrides, f"resume={source}").run_dir
     assert_same_weights(reference / "checkpoints" / "last.pt", resumed / "checkpoints" / "last.pt")
     after = [r for r in read_metrics(reference) if int(r["step"]) > 15]
     assert [r for r in read_metrics(resumed) if int(r["step"]) > 15] == after

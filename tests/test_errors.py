@@ -1,21 +1,32 @@
-"""Bad input through the real CLI: one clear line naming the key or path, non-zero, no traceback."""
+"""Bad input: one clear line naming the key or path, non-zero, no traceback.
+
+Hydra's own errors (composing) are the CLI's to turn into one line: they run `python -m app`.
+The app's checks raise UserError, which the entry prints as one line with exit 2: they run in
+this process (`run_job`), and two of them also through the CLI, to show that last step."""
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import TINY, run_app
+from app.errors import UserError
+from conftest import TINY, run_app, run_job
 
-CASES = {
+# Refused while Hydra composes the config.
+COMPOSING = {
     "unknown key": (["trainer.max_epoch=3"], "max_epoch"),
     "unknown group option": (["model=resnet"], "resnet"),
     "wrong type": (["trainer.max_epochs=many"], "max_epochs"),
     "wrong choice": (["trainer.monitor_mode=up"], "monitor_mode"),
+    "bad monitor": (["trainer.monitor=val/f1"], "trainer.monitor=val/f1"),
+    "unknown accelerator": (["accelerator=tpu"], "accelerator=tpu"),
+}
+
+# Refused by the app's checks (UserError), before anything is written.
+CHECKS = {
     "negative learning rate": (["optimizer.lr=-0.1"], "optimizer.lr=-0.1"),
     "no stopping rule": (["trainer.max_epochs=null"], "trainer.max_steps"),
     "zero batch": (["data.batch_size=0"], "data.batch_size=0"),
     "batch larger than data": (["data.batch_size=5000"], "data.batch_size=5000"),
-    "bad monitor": (["trainer.monitor=val/f1"], "trainer.monitor=val/f1"),
     "eval without checkpoint": (["trainer=eval"], "ckpt=PATH"),
     "missing checkpoint": (["trainer=eval", "ckpt=/nonexistent/best.pt"],
                            "/nonexistent/best.pt: file not found"),
@@ -28,25 +39,48 @@ CASES = {
     "several nodes without an address": (["nodes=2"], "dist_url=tcp://HOST:PORT"),
     "missing accelerator, strict": (["accelerator=xpu", "accelerator_strict=true"],
                                     "accelerator=xpu"),
-    "unknown accelerator": (["accelerator=tpu"], "accelerator=tpu"),
     "horovod": (["distributed.horovod=true"], "Horovod is not supported"),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_gives_one_clear_error(case, trained, tmp_path) -> None:
-    overrides, words = CASES[case]
+def _overrides(case: str, overrides: list[str], trained) -> list[str]:
     ckpt = trained / "checkpoints" / "best.pt"
     overrides = [o.replace("CKPT", str(ckpt)) for o in overrides]
     # Cases that change the model, or need the default width, drop TINY's model settings.
     keep_model = "width" not in case and not any(o.startswith("model=") for o in overrides)
-    tiny = [t for t in TINY if keep_model or not t.startswith("model.")]
-    result = run_app(tmp_path / "run", *tiny, *overrides)
+    return [t for t in TINY if keep_model or not t.startswith("model.")] + overrides
+
+
+def _one_clear_line(result, words: str, run_dir) -> None:
     assert result.returncode != 0
     assert words in result.output, result.output[-3000:]
     assert "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) <= 12, result.stderr  # no wall of text
+    assert not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("case", list(COMPOSING))
+def test_a_config_hydra_cannot_compose_is_one_clear_error(case, trained, tmp_path) -> None:
+    overrides, words = COMPOSING[case]
+    result = run_app(tmp_path / "run", *_overrides(case, overrides, trained))
+    _one_clear_line(result, words, tmp_path / "run")
+
+
+@pytest.mark.parametrize("case", list(CHECKS))
+def test_bad_input_is_a_user_error_in_one_line(case, trained, tmp_path) -> None:
+    overrides, words = CHECKS[case]
+    with pytest.raises(UserError) as error:
+        run_job(tmp_path / "run", *_overrides(case, overrides, trained))
+    assert words in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("case", ["missing checkpoint", "several nodes without an address"])
+def test_the_cli_prints_a_user_error_in_one_line_and_exits_2(case, trained, tmp_path) -> None:
+    overrides, words = CHECKS[case]
+    result = run_app(tmp_path / "run", *_overrides(case, overrides, trained))
+    _one_clear_line(result, words, tmp_path / "run")
+    assert result.returncode == 2
 
 
 # What Hydra reports while it composes (before the task runs): one line, exit 2.
