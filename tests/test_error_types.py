@@ -6,6 +6,8 @@ import ast
 import signal
 from pathlib import Path
 
+import pytest
+
 import app
 from app import errors
 from app.errors import AppError, Interrupted, UserError, WorkerFailed, one_line
@@ -69,8 +71,6 @@ def test_one_line_keeps_the_type_and_the_first_line() -> None:
 def test_ctrl_c_before_the_loop_ends_in_one_line_with_130(tmp_path, monkeypatch, capsys) -> None:
     import sys
 
-    import pytest
-
     import app.__main__ as entry
 
     def interrupted(*args):  # Ctrl-C while torch is imported, before any worker or loop
@@ -83,3 +83,34 @@ def test_ctrl_c_before_the_loop_ends_in_one_line_with_130(tmp_path, monkeypatch,
         entry.main()
     assert stop.value.code == 130
     assert '"status": "interrupted"' in (tmp_path / "result.json").read_text()
+
+
+def _entry_raising(error: BaseException, tmp_path, monkeypatch):
+    """`python -m app` in this process, its launch() raising `error`."""
+    import sys
+
+    import app.__main__ as entry
+
+    def fails(*args):
+        raise error
+
+    monkeypatch.setattr(entry, "launch", fails)
+    monkeypatch.setattr(sys, "argv", ["app", "debug=fast", f"hydra.run.dir={tmp_path}",
+                                      "hydra/hydra_logging=none"])
+    return entry
+
+
+@pytest.mark.parametrize("error", [UserError, WorkerFailed, errors.WriteFailed,
+                                   errors.DataItemError, errors.ExportMismatch, AppError])
+def test_an_app_error_from_a_run_is_its_line_and_its_exit_status(error, tmp_path, monkeypatch,
+                                                                  capsys) -> None:
+    # What the tests that raise these errors in-process (run_job) rely on for the CLI.
+    entry = _entry_raising(error("what went wrong, and the key to change"), tmp_path,
+                           monkeypatch)
+    with pytest.raises(SystemExit) as stop:
+        entry.main()
+    assert stop.value.code == error.exit_code
+    output = capsys.readouterr()
+    assert "what went wrong, and the key to change" in output.out + output.err
+    assert "Traceback" not in output.out + output.err
+    assert '"status": "failed"' in (tmp_path / "result.json").read_text()

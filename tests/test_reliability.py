@@ -1,4 +1,8 @@
-"""Bad checkpoints and failing disks: nothing lost, every failure explained in one line."""
+"""Bad checkpoints and failing disks: nothing lost, every failure explained in one line.
+
+The runs under test raise the app's error classes in this process (`run_job`); the entry's
+turning each class into one line and its exit status is tests/test_error_types.py's. The full
+disk is a `python -m app` of its own (a file size limit for that process only)."""
 
 from __future__ import annotations
 
@@ -7,22 +11,27 @@ import resource
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from conftest import HELPERS, REPO, TINY, assert_ok, load_state, run_app, run_job
+from app.errors import AppError, DataItemError, UserError, WorkerFailed, WriteFailed
+from conftest import HELPERS, REPO, TINY, load_state, run_job
 
 
 def _trained(tmp_path, *extra: str):
-    """A finished run with a periodic checkpoint per epoch (22 steps each), trained in this
-    process (the setup; the runs under test are `python -m app`'s)."""
+    """A finished run with a periodic checkpoint per epoch (22 steps each)."""
     return run_job(tmp_path / "run", *TINY, "trainer.keep_last=10", *extra).run_dir
 
 
-def _one_line_error(result, *words: str) -> None:
-    assert result.returncode != 0, result.output[-3000:]
-    assert "Traceback" not in result.output, result.output[-3000:]
+def _fails(error: type[AppError], run_dir, *overrides: str, words: tuple[str, ...]) -> str:
+    """The run raises `error` (its exit status: 2 for a UserError, 1 otherwise), with a
+    message whose first line holds every one of `words` (the line the user sees)."""
+    with pytest.raises(error) as raised:
+        run_job(run_dir, *overrides, user_code=HELPERS)
+    line = str(raised.value).splitlines()[0]
     for word in words:
-        assert word in result.output, result.output[-3000:]
+        assert word in line, line
+    return line
 
 
 def test_resume_skips_a_corrupt_last_checkpoint_and_names_it(tmp_path) -> None:
@@ -31,7 +40,7 @@ def test_resume_skips_a_corrupt_last_checkpoint_and_names_it(tmp_path) -> None:
     # last.pt is a hard link to step-66: corrupting it corrupts both names.
     (ckpts / "last.pt").write_bytes((ckpts / "last.pt").read_bytes()[:1000])  # truncated
     (ckpts / "step-00000044.pt").write_bytes(b"\0" * 4096)  # zero-filled
-    resumed = assert_ok(run_app(run_dir, *TINY, "trainer.keep_last=10", "trainer.max_epochs=4"))
+    resumed = run_job(run_dir, *TINY, "trainer.keep_last=10", "trainer.max_epochs=4")
     assert f"skipping {ckpts / 'last.pt'}" in resumed.output
     assert f"skipping {ckpts / 'step-00000044.pt'}" in resumed.output
     assert f"resumed from {ckpts / 'step-00000022.pt'} at step 22" in resumed.output
@@ -44,19 +53,18 @@ def test_resume_with_no_loadable_checkpoint_stops_instead_of_starting_afresh(tmp
         path.unlink()
         path.write_bytes(os.urandom(2048))  # garbage
     before = (run_dir / "metrics.csv").read_text()
-    result = run_app(run_dir, *TINY, "trainer.max_epochs=2")
-    _one_line_error(result, "resume=auto: no checkpoint in", "last.pt", "step-00000022.pt")
-    assert result.returncode == 2
+    _fails(UserError, run_dir, *TINY, "trainer.max_epochs=2",
+           words=("resume=auto: no checkpoint in", "last.pt", "step-00000022.pt"))
     assert (run_dir / "metrics.csv").read_text() == before  # the run's records are untouched
 
 
 def test_a_checkpoint_of_another_model_or_optimizer_is_a_clear_error(tmp_path) -> None:
     run_dir = _trained(tmp_path, "trainer.max_epochs=1")
     last = run_dir / "checkpoints" / "last.pt"
-    other_model = run_app(tmp_path / "m", *TINY, "model.channels=[8,32]", f"resume={last}")
-    _one_line_error(other_model, "does not match the model", "shape", "channels")
-    other_optimizer = run_app(tmp_path / "o", *TINY, "optimizer=sgd", f"resume={last}")
-    _one_line_error(other_optimizer, "torch.optim.AdamW", "torch.optim.SGD", "ckpt=")
+    _fails(UserError, tmp_path / "m", *TINY, "model.channels=[8,32]", f"resume={last}",
+           words=("does not match the model", "shape", "channels"))
+    _fails(UserError, tmp_path / "o", *TINY, "optimizer=sgd", f"resume={last}",
+           words=("torch.optim.AdamW", "torch.optim.SGD", "ckpt="))
 
 
 class _RunsCode:
@@ -72,8 +80,8 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path) -> None:
     torch.save({"model": {}, "extra": payload}, bad)
     for mode in ("trainer=eval", "trainer=trainval"):
         overrides = [f"ckpt={bad}"] if mode == "trainer=eval" else [f"resume={bad}"]
-        result = run_app(tmp_path / mode.split("=")[1], *TINY, mode, *overrides)
-        _one_line_error(result, "refused", "could run code")
+        _fails(UserError, tmp_path / mode.split("=")[1], *TINY, mode, *overrides,
+               words=("refused", "could run code"))
     assert not marker.exists()
 
 
@@ -91,7 +99,7 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_last_checkpoint(tmp_path) ->
          "model.channels=[32,64]", "trainer.max_epochs=2"],
         cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=full_disk)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 1, output[-3000:]
+    assert proc.returncode == WriteFailed.exit_code == 1, output[-3000:]
     assert "could not be written" in output and "Traceback" not in output
     assert last.read_bytes() == before  # the previous checkpoint, intact
     assert not list(run_dir.glob("checkpoints/.*.tmp"))  # no half-written file left
@@ -106,19 +114,16 @@ NAN_AT_CALL_5 = ["model._target_=faults.FaultyCNN", "+model.fault=nan_loss",
 def test_a_nonfinite_loss_stops_the_run_and_is_never_checkpointed(tmp_path) -> None:
     run_dir = _trained(tmp_path, "trainer.max_epochs=1")  # a good checkpoint at step 22
     good = load_state(run_dir / "checkpoints" / "last.pt")
-    result = run_app(run_dir, *TINY, "trainer.keep_last=10", "trainer.max_epochs=2",
-                     *NAN_AT_CALL_5, env={"PYTHONPATH": str(HELPERS)})
-    _one_line_error(result, "the training loss was nan at step 27", "skip_nonfinite")
-    assert result.returncode == 1
+    _fails(AppError, run_dir, *TINY, "trainer.keep_last=10", "trainer.max_epochs=2",
+           *NAN_AT_CALL_5, words=("the training loss was nan at step 27", "skip_nonfinite"))
     last = load_state(run_dir / "checkpoints" / "last.pt")
     assert last["loop"]["step"] == 22
     assert all(torch.equal(last["model"][k], good["model"][k]) for k in good["model"])
 
 
 def test_skip_nonfinite_skips_and_counts_the_step(tmp_path) -> None:
-    result = assert_ok(run_app(tmp_path / "run", *TINY, "trainer.max_epochs=1",
-                               "trainer.skip_nonfinite=true", *NAN_AT_CALL_5,
-                               env={"PYTHONPATH": str(HELPERS)}))
+    result = run_job(tmp_path / "run", *TINY, "trainer.max_epochs=1",
+                     "trainer.skip_nonfinite=true", *NAN_AT_CALL_5, user_code=HELPERS)
     assert "1 step(s) skipped for a non-finite loss" in result.output
     state = load_state(result.run_dir / "checkpoints" / "last.pt")
     assert state["train_step"]["skipped"] == 1 and state["loop"]["step"] == 22
@@ -132,21 +137,15 @@ def _faulty_data(fault: str, workers: int) -> list[str]:
 
 def test_a_data_item_that_fails_is_named_with_its_index(tmp_path) -> None:
     for workers in (0, 2):
-        result = run_app(tmp_path / f"w{workers}", *TINY, *_faulty_data("raise", workers),
-                         env={"PYTHONPATH": str(HELPERS)}, timeout=120)
-        _one_line_error(result, "training item 7 failed to load: ValueError: corrupt sample")
-        assert result.returncode == 1
+        _fails(DataItemError, tmp_path / f"w{workers}", *TINY, *_faulty_data("raise", workers),
+               words=("training item 7 failed to load: ValueError: corrupt sample",))
 
 
 def test_a_data_item_that_fails_under_ddp_ends_every_rank(tmp_path) -> None:
-    result = run_app(tmp_path / "run", *TINY, *_faulty_data("raise", 0), "devices=2",
-                     env={"PYTHONPATH": str(HELPERS)}, timeout=120)
-    _one_line_error(result, "failed: DataItemError: training item 7 failed to load")
-    assert result.returncode == 1
+    _fails(WorkerFailed, tmp_path / "run", *TINY, *_faulty_data("raise", 0), "devices=2",
+           words=("failed: DataItemError: training item 7 failed to load",))
 
 
 def test_a_loader_worker_that_dies_is_a_clear_error(tmp_path) -> None:
-    result = run_app(tmp_path / "run", *TINY, *_faulty_data("kill", 2),
-                     env={"PYTHONPATH": str(HELPERS)}, timeout=120)
-    _one_line_error(result, "data loading failed: DataLoader worker (pid", "was killed by SIGKILL")
-    assert result.returncode == 1
+    _fails(AppError, tmp_path / "run", *TINY, *_faulty_data("kill", 2),
+           words=("data loading failed: DataLoader worker (pid", "was killed by SIGKILL"))
