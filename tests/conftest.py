@@ -257,10 +257,11 @@ def check_summary(sweep: Path, num_jobs: int) -> list[dict[str, str]]:
     return rows
 
 
-# Files whose tests share one module fixture (a training run; the Slurm cluster, used in
-# order) run on one pytest worker; the tests of the other files spread one by one over the
-# workers (`make test`: --dist loadgroup), so one long file no longer sets the suite's end.
-ONE_WORKER = ("test_slurm.py", "test_resume.py", "test_checkpoint_faults.py")
+# Files whose tests share one module fixture (a training run) run on one pytest worker; the
+# tests of the other files spread one by one over the workers (`make test`: --dist loadgroup),
+# so one long file does not set the suite's end. (The Slurm tests run side by side: the
+# cluster's nodes have room for several of their small jobs at once.)
+ONE_WORKER = ("test_resume.py", "test_checkpoint_faults.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids

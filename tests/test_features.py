@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from app.data import ShiftedImages
-from app.errors import UserError
+from app.errors import UserError, WorkerFailed
 from app.schedulers import constant
 from app.training.build import build_data, build_model, build_optimizer, parameter_groups
 from app.training.ema import ModelEMA
@@ -122,8 +122,8 @@ def test_accumulation_in_the_cli_and_under_ddp(tmp_path) -> None:
     full = run_job(tmp_path / "full", *same, "data.batch_size=64").run_dir
     accum = run_job(tmp_path / "accum", *same, "data.batch_size=32",
                     "trainer.accumulate_grad_batches=2").run_dir
-    ddp = assert_ok(run_app(tmp_path / "ddp", *same, "data.batch_size=16", "devices=2",
-                            "trainer.accumulate_grad_batches=2")).run_dir
+    ddp = run_job(tmp_path / "ddp", *same, "data.batch_size=16", "devices=2",
+                  "trainer.accumulate_grad_batches=2").run_dir
     for other in (accum, ddp):
         assert _losses(other) == pytest.approx(_losses(full), rel=1e-4, abs=1e-6)
 
@@ -156,18 +156,18 @@ def test_compile_keeps_checkpoints_free_of_prefixes(tmp_path) -> None:
 
 
 def test_ddp_options_under_two_workers(tmp_path) -> None:
-    run_dir = assert_ok(run_app(
+    run_dir = run_job(
         tmp_path / "run", "debug=fast", "model.channels=[8,16]", "model.batch_norm=true",
         "devices=2", "distributed.static_graph=true", "distributed.find_unused_parameters=true",
-        "distributed.bucket_cap_mb=1", "distributed.broadcast_buffers=false")).run_dir
+        "distributed.bucket_cap_mb=1", "distributed.broadcast_buffers=false").run_dir
     assert load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"] == 6
 
 
 def test_sync_batchnorm_on_cpu_is_a_clear_error(tmp_path) -> None:
     # PyTorch's SyncBatchNorm runs on GPUs only; the conversion itself is PyTorch's.
-    result = run_app(tmp_path / "run", "debug=fast", "model.batch_norm=true", "devices=2",
-                     "distributed.sync_batchnorm=true")
-    assert result.returncode != 0 and "SyncBatchNorm has no CPU kernel" in result.output
+    with pytest.raises(WorkerFailed, match="SyncBatchNorm has no CPU kernel"):
+        run_job(tmp_path / "run", "debug=fast", "model.batch_norm=true", "devices=2",
+                "distributed.sync_batchnorm=true")
 
 
 # -- data loading ---------------------------------------------------------------------------
