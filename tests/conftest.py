@@ -21,6 +21,12 @@ from pathlib import Path
 # What `python -m app` sets before MKL's first call (app.env.reproducible_matmuls):
 # the in-process runs below must round as the CLI's do, and before torch computes anything.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# One intra-op thread for every `python -m app` the tests start (they inherit this), as for
+# the jobs run in this process below: two pytest workers on two cores, each process taking a
+# thread per core, spin against each other (OpenMP's waiting threads burn the other's CPU).
+# Ranks started by the app share the cores by themselves (share_cpu_threads). A test that is
+# about the thread count sets distributed.omp_threads, which wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -30,10 +36,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from app.config import AppConfig, register_schemas, to_app_config  # noqa: E402
 from app.resolvers import register_resolvers  # noqa: E402
 
-# One intra-op thread for the jobs run in this process: two pytest workers (make test) on two
-# cores, each taking a thread per core, spin against each other. A test that is about the
-# thread count sets distributed.omp_threads.
-torch.set_num_threads(1)
+torch.set_num_threads(1)  # (OMP_NUM_THREADS above; set here too for a torch already imported)
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -244,12 +247,16 @@ def wait_for_rows(run_dir: Path, rows: int, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-def check_summary(sweep: Path, num_jobs: int) -> list[dict[str, str]]:
-    """The sweep's summary files exist and each row agrees with that job's metrics.csv."""
+def check_summary(sweep: Path, num_jobs: int, completed_only: bool = False
+                  ) -> list[dict[str, str]]:
+    """The sweep's summary files exist and each row (of a completed job, if `completed_only`)
+    agrees with that job's metrics.csv."""
     with open(sweep / "summary.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == num_jobs
     for row in rows:
+        if completed_only and row["status"] != "completed":
+            continue
         val = [float(r["acc"]) for r in read_metrics(sweep / row["job"]) if r["split"] == "val"]
         assert float(row["best"]) == max(val) and float(row["final"]) == val[-1]
     assert (sweep / "summary.md").is_file()
