@@ -22,11 +22,12 @@ install:  ## install torch (if missing), app (editable) and the dev tools into $
 run: $(STAMP)  ## train the default job (CNN on digits) into outputs/
 	$(PYTHON) -m app
 
-# Two pytest workers, the tests spread one by one; the files that share a module fixture (the
-# SLURM tests share their cluster in order) stay on one worker (tests/conftest.py ONE_WORKER).
+# Four pytest workers, the tests spread one by one: many tests wait (on a Slurm queue, a
+# timeout, a process starting), so two per core keep both cores busy (docs/measurements.md).
+# The files that share a module fixture stay on one worker (tests/conftest.py ONE_WORKER).
 # The slow trials run one at a time: in parallel they took longer (docs/measurements.md).
 test: $(STAMP)  ## run the test suite
-	$(PYTHON) -m pytest -n 2 --dist loadgroup
+	$(PYTHON) -m pytest -n 4 --dist loadgroup
 
 test-slow: $(STAMP)  ## the slow fault trials: SIGKILL during checkpoints, a soak, override fuzzing
 	$(PYTHON) -m pytest -m slow -rP

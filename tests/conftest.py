@@ -22,8 +22,8 @@ from pathlib import Path
 # the in-process runs below must round as the CLI's do, and before torch computes anything.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # One intra-op thread for every `python -m app` the tests start (they inherit this), as for
-# the jobs run in this process below: two pytest workers on two cores, each process taking a
-# thread per core, spin against each other (OpenMP's waiting threads burn the other's CPU).
+# the jobs run in this process below: several pytest workers on two cores, each process taking
+# a thread per core, spin against each other (OpenMP's waiting threads burn the other's CPU).
 # Ranks started by the app share the cores by themselves (share_cpu_threads). A test that is
 # about the thread count sets distributed.omp_threads, which wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -100,8 +100,9 @@ def run_job(run_dir: Path, *overrides: str, user_code: Path | None = None) -> Jo
     return Job(value, run_dir, output.getvalue())
 
 
-# The signals whose handlers the app sets while it runs (stop, requeue, stack dumps).
-_SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2]
+# The signals whose handlers the app sets while it runs (stop, requeue, stack dumps), and
+# SIGCHLD, which PyTorch's DataLoader takes over in a process that did not keep it out.
+_SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD]
 
 
 @contextlib.contextmanager
@@ -126,6 +127,10 @@ def _process_left_alone(user_code: Path | None) -> Iterator[io.StringIO]:
     root.setLevel(logging.INFO)
     if user_code is not None:
         sys.path.insert(0, str(user_code))
+    # A DataLoader with workers made directly by an earlier test of this process installed
+    # PyTorch's SIGCHLD handler, which a fresh `python -m app` never has (the app keeps it out):
+    # with it, a killed loader worker is told by the handler, not by the app.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         yield output
     finally:
