@@ -25,12 +25,12 @@ run: $(STAMP)  ## train the default job (CNN on digits) into outputs/
 # Four pytest workers, the tests spread one by one: many tests wait (on a Slurm queue, a
 # timeout, a process starting), so two per core keep both cores busy (docs/measurements.md).
 # The files that share a module fixture stay on one worker (tests/conftest.py ONE_WORKER).
-# The slow trials run one at a time: in parallel they took longer (docs/measurements.md).
 test: $(STAMP)  ## run the test suite
 	$(PYTHON) -m pytest -n 4 --dist loadgroup
 
+# The four slow trials on two workers: 10 min against about 15 one at a time (docs/measurements.md).
 test-slow: $(STAMP)  ## the slow fault trials: SIGKILL during checkpoints, a soak, override fuzzing
-	$(PYTHON) -m pytest -m slow -rP
+	$(PYTHON) -m pytest -m slow -n 2 -rP
 
 bench: $(STAMP)  ## benchmarks against baselines, side by side; writes BENCHMARKS.md
 	$(PYTHON) bench/run.py
