@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from app.data import Digits, Synthetic
 from app.env import reproducible_matmuls
-from app.models import CNN, MLP
+from app.models import CNN, MLP, ResNet
 from app.schedulers import warmup_cosine
 
 # Like with like: the app runs MKL in its strict mode (the same bits on any thread count), and
@@ -35,8 +35,9 @@ reproducible_matmuls()
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
-    p.add_argument("--channels", type=json.loads, default=[32, 64])
+    p.add_argument("--model", choices=["cnn", "mlp", "resnet"], default="cnn")
+    p.add_argument("--channels", type=json.loads, default=None,
+                   help="cnn: [32, 64], resnet: [16, 32, 64] by default")
     p.add_argument("--hidden", type=json.loads, default=[256, 256])
     p.add_argument("--data", choices=["digits", "synthetic"], default="digits")
     p.add_argument("--num-samples", type=int, default=4096)
@@ -60,7 +61,9 @@ def train(args: argparse.Namespace) -> list[float]:
             Synthetic(num_samples=args.num_samples, input_shape=args.input_shape,
                       batch_size=args.batch))
     if args.model == "cnn":
-        model = CNN(data.input_shape, data.num_classes, channels=args.channels)
+        model = CNN(data.input_shape, data.num_classes, channels=args.channels or [32, 64])
+    elif args.model == "resnet":
+        model = ResNet(data.input_shape, data.num_classes, channels=args.channels or [16, 32, 64])
     else:
         model = MLP(data.input_shape, data.num_classes, hidden=args.hidden)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import blas_mode
 import ckpt_stall
+import image_loader
 import step_overhead
 from common import BENCH, Stat, app_cmd, machine, paired_ratio, ratio_range, run_probed
 
 REPO = BENCH.parent
 CNN_STEPS, MLP_STEPS, DDP_STEPS = 400, 50, 150  # CNN: the default job ends at 440
 MLP = {"hidden": [1024, 1024], "num_samples": 16384, "input_shape": [3, 32, 32], "batch": 512}
+RESNET_STEPS = 60  # the ResNet [16, 32, 64] on 3x32x32 inputs at batch 64
 
 
 def plain_cmd(*args: str) -> list[str]:
@@ -44,6 +46,10 @@ CASES = {
         ["--model", "mlp", "--hidden", json.dumps(MLP["hidden"]), "--data", "synthetic",
          "--num-samples", str(MLP["num_samples"]), "--input-shape",
          json.dumps(MLP["input_shape"]), "--batch", str(MLP["batch"])]),
+    "ResNet [16, 32, 64], synthetic [3, 32, 32], batch 64": (
+        RESNET_STEPS,
+        ["model=resnet", "data=synthetic", "data.input_shape=[3,32,32]"],
+        ["--model", "resnet", "--data", "synthetic", "--input-shape", "[3, 32, 32]"]),
 }
 
 
@@ -245,6 +251,10 @@ def blas_section(tmp: Path, repeats: int) -> str:
     return blas_mode.section(repeats)
 
 
+def loader_section(tmp: Path, repeats: int) -> str:
+    return image_loader.section(repeats)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -256,7 +266,7 @@ def main() -> None:
         tmp = Path(tmp)
         for name, fn in (("steps", steps_section), ("startup", startup), ("memory", memory),
                          ("ddp", ddp_and_spawn), ("checkpoint", checkpoint_stall),
-                         ("blas", blas_section)):
+                         ("blas", blas_section), ("loader", loader_section)):
             sections[name] = fn(tmp, args.repeats)
             print(sections[name], flush=True)
     took = time.time() - started
@@ -318,6 +328,15 @@ as processes, in MKL's default mode and in strict mode alternately, with the sam
 count. Median time per step after 10 warm-up steps.
 
 {s['blas']}
+
+## 8. Image loading: `data=image_folder` against a plain DataLoader
+
+bench/image_loader.py: the loader the app's loop builds over an image folder against a plain
+PyTorch DataLoader over the same files with the same decoding and transforms (Pillow, the
+random resized crop and flip, normalisation), app and plain alternating; with the app's
+cache on, the app decodes each image once and the plain loader still decodes every time.
+
+{s['loader']}
 
 ## Reading the misses
 

@@ -11,14 +11,29 @@ from torch import nn
 from app.callbacks import Callbacks
 from app.checkpoint import manager
 from app.checkpoint.manager import FORMAT_VERSION, CheckpointManager, TrainedAt
+from app.data import DataModule
 from app.errors import UserError
 from app.training.ema import ModelEMA
 from app.training.state import LoopState
 from app.training.step import TrainStep
 from conftest import make_config
 
-LAYOUT = ["format", "model", "optimizer", "scheduler", "train_step", "loop", "callbacks", "best",
-          "is_best", "metrics", "rng", "config"]
+LAYOUT = ["format", "model", "optimizer", "scheduler", "train_step", "loop", "callbacks", "data",
+          "best", "is_best", "metrics", "rng", "config"]
+
+
+class _Data(DataModule):
+    """What a data set learnt from its training set (an image folder's normalisation, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.learnt = {"mean": [0.5]}
+
+    def state_dict(self) -> dict:
+        return dict(self.learnt)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.learnt = dict(state)
 
 
 def _parts(run_dir, cfg, ema: bool = False, seed: int = 0
@@ -30,7 +45,8 @@ def _parts(run_dir, cfg, ema: bool = False, seed: int = 0
     step = TrainStep(model, model, optimizer, scheduler, torch.device("cpu"), "32", None,
                      ModelEMA(model, 0.9, 1) if ema else None)
     loop = LoopState()
-    return CheckpointManager(run_dir / "checkpoints", cfg, step, loop, Callbacks({})), step, loop
+    return (CheckpointManager(run_dir / "checkpoints", cfg, step, loop, Callbacks({}), _Data()),
+            step, loop)
 
 
 def _config(*overrides: str):
@@ -62,8 +78,10 @@ def test_a_save_writes_the_layout_with_its_format_version(tmp_path) -> None:
 def test_a_resume_restores_the_loop_and_every_part(tmp_path) -> None:
     state, trained = _saved(tmp_path)
     checkpoints, step, loop = _parts(tmp_path, _config("resume=auto"), seed=1)
+    checkpoints.data.learnt = {}
     checkpoints.restore()
     assert checkpoints.resumed_from == tmp_path / "checkpoints" / "last.pt"
+    assert checkpoints.data.learnt == {"mean": [0.5]}
     assert (loop.step, loop.epoch, loop.batch_in_epoch, loop.best) == (7, 2, 1, 0.25)
     assert torch.equal(step.model.weight, trained.model.weight)
     assert step.optimizer.state_dict()["state"].keys() == state["optimizer"]["state"].keys()
@@ -104,10 +122,12 @@ def test_a_newer_format_is_refused_naming_it(tmp_path) -> None:
 def test_inference_weights_are_the_emas_when_the_run_kept_one(tmp_path) -> None:
     _, trained = _saved(tmp_path, ema=True)
     assert not torch.equal(trained.ema.module.weight, trained.model.weight)
-    model = nn.Linear(3, 2)
-    at = manager.load_inference_weights(model, tmp_path / "checkpoints" / "last.pt")
+    model, data = nn.Linear(3, 2), _Data()
+    data.learnt = {}
+    at = manager.load_for_inference(model, data, tmp_path / "checkpoints" / "last.pt")
     assert at == TrainedAt(7, 2)
     assert torch.equal(model.weight, trained.ema.module.weight)
+    assert data.learnt == {"mean": [0.5]}  # the data's state comes with the weights
 
 
 def test_a_weights_only_file_loads_for_inference_at_step_zero(tmp_path) -> None:
@@ -115,7 +135,7 @@ def test_a_weights_only_file_loads_for_inference_at_step_zero(tmp_path) -> None:
     weights = nn.Linear(3, 2).state_dict()
     torch.save({"model": weights}, path)
     model = nn.Linear(3, 2)
-    assert manager.load_inference_weights(model, path) == TrainedAt(0, 0)
+    assert manager.load_for_inference(model, _Data(), path) == TrainedAt(0, 0)
     assert torch.equal(model.weight, weights["weight"])
 
 

@@ -8,9 +8,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from app.config import AppConfig, Mode, validate
+from app.data import first_samples
 from app.errors import UserError
 from app.training.build import build_data, build_model, build_optimizer, build_scheduler
-from conftest import CONF_DIR, make_config
+from conftest import CONF_DIR, HELPERS, make_config
 
 GROUPS = {
     group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
@@ -28,15 +29,46 @@ def test_every_group_has_options() -> None:
     assert {"csv", "tensorboard"} <= set(GROUPS["logger"])
 
 
+def _inputs(group: str, option: str, tmp_path) -> list[str]:
+    """What an option needs besides itself: a folder of images, a data set on disk."""
+    if (group, option) not in (("data", "image_folder"), ("data", "hf")):
+        return []
+    import sys
+
+    sys.path.insert(0, str(HELPERS))
+    from images import make_image_folder
+
+    make_image_folder(tmp_path / "images", per_class=3)
+    if option == "image_folder":
+        return [f"data.root={tmp_path / 'images'}", "model=resnet"]
+    return [f"data.path={tmp_path / 'images'}", "data.builder=imagefolder", "model=resnet"]
+
+
+def _library_missing(group: str, option: str) -> str | None:
+    """torchvision and timm are optional (they import only with a CUDA build of torch here)."""
+    if group != "model" or option not in ("torchvision", "timm"):
+        return None
+    try:
+        __import__(option)
+    except (ImportError, RuntimeError):
+        return option
+    return None
+
+
 @pytest.mark.parametrize(
     "group,option", [(g, o) for g, options in GROUPS.items() for o in options])
-def test_every_option_composes_and_builds(group: str, option: str) -> None:
-    cfg = make_config(f"{group}={option}", "ckpt=some.pt")
+def test_every_option_composes_and_builds(group: str, option: str, tmp_path) -> None:
+    cfg = make_config(f"{group}={option}", "ckpt=some.pt", *_inputs(group, option, tmp_path))
     validate(cfg)
     assert isinstance(cfg, AppConfig)
     data = build_data(cfg)
+    missing = _library_missing(group, option)
+    if missing:  # the model's config still fails in one line that says why
+        with pytest.raises(UserError, match=f"model={missing} needs {missing}"):
+            build_model(cfg, data)
+        return
     model = build_model(cfg, data)
-    x, y = data.train[:4]
+    x, y = first_samples(data.train, 4)
     assert model(x).shape == (4, data.num_classes)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, total_steps=100)
@@ -119,10 +151,10 @@ def test_bad_object_settings_name_the_key(overrides: list[str], words: str) -> N
 
 
 def test_an_empty_validation_split_of_any_data_module_fails_at_build(monkeypatch) -> None:
-    from app import data as data_module
+    from app.data import digits
 
     # A data module whose own split gives no validation samples (here: a split made empty).
-    monkeypatch.setattr(data_module, "_split", lambda num, fraction, seed: (
+    monkeypatch.setattr(digits, "split", lambda num, fraction, seed: (
         torch.arange(num), torch.arange(0)))
     with pytest.raises(UserError, match="validation split is empty"):
         build_data(make_config())

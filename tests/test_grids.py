@@ -27,7 +27,7 @@ def _has(cell: np.ndarray, color: tuple[int, int, int]) -> bool:
 
 def test_a_grid_shows_each_digit_whole_under_its_labels(tmp_path) -> None:
     images = torch.zeros(10, 1, 8, 8)
-    images[:, 0, 2:6, 3] = 1.0  # a bar one pixel wide, four high: drawn dark on light
+    images[:, 0, 2:6, 3] = 1.0  # a bar one pixel wide, four high: drawn as it is, white on black
     labels = [1] * 9 + [2]
     path = tmp_path / "grid.png"
     save_grid(images, [1] * 10, labels, "step 5: 9/10 right", path)
@@ -38,10 +38,14 @@ def test_a_grid_shows_each_digit_whole_under_its_labels(tmp_path) -> None:
     right, wrong = _cell(image, 0, 8), _cell(image, 9, 8)
     assert _has(right[:LABEL_H], GREEN) and not _has(right[:LABEL_H], RED)
     assert _has(wrong[:LABEL_H], RED) and not _has(wrong[:LABEL_H], GREEN)
-    dark = np.argwhere((right[LABEL_H:] == 0).all(axis=-1))
-    height, width = dark.max(0) - dark.min(0) + 1
+    black = np.argwhere((right[LABEL_H:] == 0).all(axis=-1))  # the image's ground (value 0)
+    (top, left), (bottom, end) = black.min(0), black.max(0)
+    shown = right[LABEL_H:][top:bottom + 1, left:end + 1]
+    assert shown.shape[0] == shown.shape[1] >= 64  # the whole 8x8 image, scaled up
+    bar = np.argwhere((shown == 255).all(axis=-1))  # value 1: white
+    height, width = bar.max(0) - bar.min(0) + 1
     assert height == 4 * width and width >= 8  # scaled by whole pixels, not smoothed
-    assert ((right[LABEL_H:] == 0) | (right[LABEL_H:] == 255)).all()  # black or white only
+    assert ((shown == 0) | (shown == 255)).all()  # black or white only
 
 
 def test_a_colour_grid_keeps_its_colours_and_its_size(tmp_path) -> None:

@@ -145,6 +145,19 @@ class LoggerConfig:
 
 
 @dataclass
+class LoaderConfig:
+    """The loader keys every `data` node has: composed first (`app_data_loader`), the data set's
+    own YAML over them, so a data config states only what differs."""
+
+    batch_size: int = 64  # samples per optimizer step and process
+    val_batch_size: int | None = None  # samples per validation batch (null: batch_size)
+    num_workers: int = 0  # data-loader worker processes (0: load in the training process)
+    pin_memory: bool = True  # page-locked batches for faster copies to a GPU (ignored on CPU)
+    persistent_workers: bool = True  # keep loader workers alive across epochs
+    cache: bool = False  # the decoded data set in shared memory, mapped by every loader worker
+
+
+@dataclass
 class AppConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -234,7 +247,25 @@ def _unknown_keys(node: DictConfig, path: str = "") -> list[str]:
 
 
 def register_schemas() -> None:
-    ConfigStore.instance().store(name="app_schema", node=AppConfig)
+    store = ConfigStore.instance()
+    store.store(name="app_schema", node=AppConfig)
+    # Plain values, not a typed node: the data set's YAML adds its own keys to this node
+    # (their types are checked in `validate`, the rest by the data set's constructor).
+    store.store(name="app_data_loader", node=dataclasses.asdict(LoaderConfig()),
+                package="data")
+
+
+def _check_loader(data: dict[str, Any]) -> None:
+    """The loader keys of the data node, by LoaderConfig's types."""
+    for key, minimum in (("batch_size", 1), ("val_batch_size", 1), ("num_workers", 0)):
+        value = data.get(key)
+        if value is None and key == "val_batch_size":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise UserError(f"data.{key}={value}: expected a whole number, {minimum} or more")
+    for key in ("pin_memory", "persistent_workers", "cache"):
+        if not isinstance(data.get(key), bool):
+            raise UserError(f"data.{key}={data.get(key)}: expected true or false")
 
 
 def _positive(name: str, value: int | float | None, allow_none: bool = True) -> None:
@@ -311,6 +342,7 @@ def validate(cfg: AppConfig) -> None:
         node = getattr(cfg, group)
         if not isinstance(node, dict) or "_target_" not in node:
             raise UserError(f"{group}: needs a `_target_` node; pick one with {group}=NAME")
+    _check_loader(cfg.data)
     for key in ("lr", "weight_decay", "momentum"):
         value = cfg.optimizer.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):

@@ -6,14 +6,15 @@ import torch
 
 from app.callbacks.base import Callback, Run
 from app.checks import whole
+from app.data import first_samples
 from app.reporting.grids import save_grid
 
 
 class EvalVisuals(Callback):
     """Every `every_n_validations`-th validation: a PNG grid of the first `num_show` validation
-    samples with predicted and true labels, `eval_visuals/step-NNNNNNNN.png` of the run. Uses
-    the weights that validate (the EMA's with ema=true); draws no random numbers, so training
-    is unchanged by it."""
+    samples (as they are: the data's `show`) with predicted and true labels,
+    `eval_visuals/step-NNNNNNNN.png` of the run. Uses the weights that validate (the EMA's
+    with ema=true); draws no random numbers, so training is unchanged by it."""
 
     def __init__(self, every_n_validations: int = 1, num_show: int = 16) -> None:
         self.every = whole("every_n_validations", every_n_validations, 1)
@@ -25,8 +26,7 @@ class EvalVisuals(Callback):
         if self.validations % self.every:
             return
 
-        x, y = run.data.val.tensors
-        x, y = x[: self.num_show], y[: self.num_show]
+        x, y = first_samples(run.data.val, self.num_show)
         model = run.eval_model
         was_training = model.training
         model.eval()
@@ -39,7 +39,8 @@ class EvalVisuals(Callback):
                  f"{metrics['val/acc']:.4f} over the whole split")
         out = run.run_dir / "eval_visuals"
         out.mkdir(exist_ok=True)
-        save_grid(x, preds.tolist(), y.tolist(), title, out / f"step-{step:08d}.png")
+        save_grid(run.data.show(x), preds.tolist(), y.tolist(), title,
+                  out / f"step-{step:08d}.png", classes=run.data.classes)
 
     def state_dict(self) -> dict[str, int]:
         return {"validations": self.validations}

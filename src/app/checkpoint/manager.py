@@ -11,6 +11,8 @@ One file holds a plain dict:
     train_step    {scaler, ema: {module, updates} or None, skipped}
     loop          {step, epoch, batch (in the epoch), stopped_early}
     callbacks     {name: state dict} of the callbacks that keep state
+    data          what the data learnt from the training set (an image folder's classes and
+                  normalisation; {} for most; a file without it: {})
     best, is_best the best monitored value so far; whether this checkpoint is that best
     metrics       the validation metrics of this step ({} when it did not validate)
     rng           every rank's random states, by rank
@@ -36,6 +38,7 @@ from app.errors import UserError
 if TYPE_CHECKING:
     from app.callbacks import Callbacks
     from app.config import AppConfig
+    from app.data import DataModule
     from app.training.state import LoopState
     from app.training.step import TrainStep
 
@@ -96,7 +99,7 @@ def check(state: Any, path: Path, resume: bool = False) -> None:
         raise UserError(f"checkpoint {path}: format {version!r}, which this app cannot read (it "
                         f"reads formats up to {FORMAT_VERSION}): use the app that wrote it")
     _check_weights(state["model"], path, "'model'")
-    for key in ("train_step", "config", "callbacks", "metrics"):
+    for key in ("train_step", "config", "callbacks", "metrics", "data"):
         if not isinstance(state.get(key, {}), dict):
             raise UserError(f"checkpoint {path}: {key!r} is {_type(state[key])}, not a dict: "
                             f"a damaged checkpoint")
@@ -147,11 +150,14 @@ def inference_weights(state: dict[str, Any]) -> dict[str, Any]:
 
 # ---- restoring ------------------------------------------------------------------------------
 
-def load_inference_weights(model: torch.nn.Module, path: str | Path) -> TrainedAt:
+def load_for_inference(model: torch.nn.Module, data: DataModule, path: str | Path
+                       ) -> TrainedAt:
     """Give `model` the weights of the checkpoint at `path` that validation used (the EMA's
-    when the run kept one); returns where in its training the checkpoint was written."""
+    when the run kept one), and `data` what it learnt in that training (so inputs are seen as
+    training saw them); returns where in its training the checkpoint was written."""
     state = load(path)
     load_model_weights(model, state, path, weights=inference_weights(state))
+    data.load_state_dict(state.get("data") or {})
     return trained_at(state)
 
 
@@ -270,13 +276,15 @@ def _changed_only_by_step(train_step: TrainStep) -> list[torch.Tensor]:
 
 class CheckpointManager:
     """The checkpoints of one training run in `directory`: what they hold (the train step's
-    model, optimizer, scheduler, scaler and EMA; the loop state; the callbacks' states), saving
+    model, optimizer, scheduler, scaler and EMA; the loop state; the callbacks' and the data's
+    states), saving
     them through the background writer, and restoring a run from one (`restore`)."""
 
     def __init__(self, directory: Path, cfg: AppConfig, train_step: TrainStep,
-                 loop: LoopState, callbacks: Callbacks) -> None:
+                 loop: LoopState, callbacks: Callbacks, data: DataModule) -> None:
         self.directory, self.cfg = directory, cfg
         self.train_step, self.loop, self.callbacks = train_step, loop, callbacks
+        self.data = data
         self.writer = CheckpointWriter(background=cfg.trainer.async_checkpoint)
         # The writer copies weights, optimizer state and EMA while the next forward and
         # backward run; the update that changes them waits for that copy.
@@ -308,6 +316,7 @@ class CheckpointManager:
         step.load_state_dict(state.get("train_step", {}))
         self.loop.load_state_dict({**state["loop"], "best": state["best"]})
         self.callbacks.load_state_dict(state.get("callbacks", {}))
+        self.data.load_state_dict(state.get("data") or {})
         rank, world_size = dist.rank(), dist.world_size()
         if len(state["rng"]) == world_size:
             set_rng_state(state["rng"][rank])
@@ -349,6 +358,7 @@ class CheckpointManager:
             "train_step": step.state_dict(),
             "loop": {k: loop[k] for k in (*LOOP_COUNTERS, "stopped_early")},
             "callbacks": self.callbacks.state_dict(),
+            "data": self.data.state_dict(),
             "best": loop["best"],
             "is_best": is_best,  # what `repair_names` gives best.pt after a crash
             "metrics": val_metrics or {},

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from app.config import AppConfig
+from app.data import first_samples
 from app.errors import ExportMismatch
 from app.files import write_text_atomically
 from app.training.build import build_data, build_trained_model
@@ -26,8 +27,9 @@ def run_export(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     # Exported programs are traced on the CPU, where every deployment can load them.
     data = build_data(cfg)
     model, _ = build_trained_model(cfg, data)
-    x_val = data.val.tensors[0]
-    example, check = x_val[:8], x_val[8:8 + data.val_batch_size]  # check on another batch size
+    # The example comes from the data (any data set); the check runs on another batch size.
+    x_val, _ = first_samples(data.val, 8 + data.val_batch_size)
+    example, check = x_val[:8], x_val[8:] if len(x_val) > 8 else x_val[:1]
     out_dir = run_dir / "export"
     out_dir.mkdir(parents=True, exist_ok=True)
 

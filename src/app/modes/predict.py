@@ -1,8 +1,9 @@
 """`trainer=predict` (the older systems' demo): labels for validation samples or your own files.
 
-Inputs: the validation split (default), a `.npy` array of shape (N, H, W) or (N, C, H, W) with
-values scaled like the data set (0 to 1 for digits), or a folder of images, which are turned
-grey (or RGB for 3-channel models), resized to the model's input and scaled to 0 to 1.
+Inputs: the validation split (default), a `.npy` array of shape (N, H, W) or (N, C, H, W) of
+inputs as the model takes them (0 to 1 for digits; normalised for an image folder), or a
+folder of images, each seen as the data set sees its validation images (`decode_file`: the
+same decoding, view and normalisation). The pictures show inputs as they are (`show`).
 """
 
 from __future__ import annotations
@@ -14,18 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from app.config import AppConfig
 from app.data import DataModule
+from app.data.base import IMAGE_SUFFIXES
+from app.data.transforms import DECODE_ERRORS, BadImage
 from app.errors import UserError
 from app.files import write_text_atomically
 from app.reporting.grids import save_grid
 from app.training.build import build_data, build_trained_model
 
 log = logging.getLogger(__name__)
-
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff"}
-
 
 def _from_npy(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
     try:
@@ -51,27 +52,29 @@ def _from_npy(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(array.astype(np.float32))
 
 
-def _from_folder(path: Path, shape: tuple[int, ...]) -> tuple[torch.Tensor, list[str]]:
-    from PIL import Image
-
-    if len(shape) != 3 or shape[0] not in (1, 3):
-        raise UserError(f"predict.input={path}: image folders need a 1- or 3-channel image model")
+def _from_folder(path: Path, data: DataModule) -> tuple[torch.Tensor, list[str]]:
+    """Every image of the folder, seen as the data set's validation images are seen."""
     files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise UserError(f"predict.input={path}: no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    channels, height, width = shape
-    arrays = []
+    inputs = []
     for file in files:
         try:
-            with Image.open(file) as image:  # decodes on convert: a truncated file fails there
-                image = image.convert("L" if channels == 1 else "RGB").resize((width, height))
-                array = np.asarray(image, dtype=np.float32) / 255.0
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            inputs.append(data.decode_file(file))
+        except BadImage as e:
+            raise UserError(f"predict.input={path}: {e}; remove or replace it") from None
+        except DECODE_ERRORS as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"predict.input={path}: {file.name} is not a readable image "
                             f"({reason}); remove or replace it") from None
-        arrays.append(array[None] if channels == 1 else array.transpose(2, 0, 1))
-    return torch.from_numpy(np.stack(arrays)), [str(f) for f in files]
+    return torch.stack(inputs), [str(f) for f in files]
+
+
+def _validation_split(data: DataModule) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every validation sample, through a loader (any map-style data set)."""
+    loader = DataLoader(data.val, batch_size=data.val_batch_size)
+    inputs, labels = zip(*loader, strict=True)
+    return torch.cat(inputs), torch.cat(labels)
 
 
 def load_inputs(
@@ -79,11 +82,11 @@ def load_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[str]]:
     """(inputs, labels or None, a name for each input)."""
     if source is None:
-        x, y = data.val.tensors
+        x, y = _validation_split(data)
         return x, y, [f"val[{i}]" for i in range(len(y))]
     path = Path(source)
     if path.is_dir():
-        x, names = _from_folder(path, data.input_shape)
+        x, names = _from_folder(path, data)
         return x, None, names
     if path.is_file() and path.suffix == ".npy":
         x = _from_npy(path, data.input_shape)
@@ -102,17 +105,23 @@ def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | 
     confidence, preds = probs.max(1)
     table = io.StringIO(newline="")
     writer = csv.writer(table)
-    writer.writerow(["index", "input", "pred", "confidence", "label"])
+    classes = data.classes
+    writer.writerow(["index", "input", "pred", "confidence", "label"]
+                    + (["pred_class", "label_class"] if classes else []))
     for i, name in enumerate(names):
         label = "" if y is None else int(y[i])
-        writer.writerow([i, name, int(preds[i]), f"{confidence[i]:.6f}", label])
+        row = [i, name, int(preds[i]), f"{confidence[i]:.6f}", label]
+        if classes:
+            row += [classes[int(preds[i])], "" if y is None else classes[label]]
+        writer.writerow(row)
     write_text_atomically(run_dir / "predictions.csv", table.getvalue())
     shown = min(cfg.predict.num_show, len(x))
     labels = None if y is None else y[:shown].tolist()
     accuracy = None if y is None else (preds == y).double().mean().item()
     title = f"{Path(str(cfg.ckpt)).name}: {len(x)} inputs" + (
         "" if accuracy is None else f", accuracy {accuracy:.2%} (green right, red wrong)")
-    save_grid(x[:shown], preds[:shown].tolist(), labels, title, run_dir / "predictions.png")
+    save_grid(data.show(x[:shown]), preds[:shown].tolist(), labels, title,
+              run_dir / "predictions.png", classes=data.classes)
     log.info("predicted %d inputs -> %s, %s%s", len(x), run_dir / "predictions.csv",
              run_dir / "predictions.png",
              "" if accuracy is None else f"; accuracy {accuracy:.4f}")

@@ -2,8 +2,8 @@
 and the eval_visuals callback's pictures. Drawn with Pillow, as every picture of app is.
 
 Each image is scaled up by whole pixels (nearest neighbour: an 8x8 digit stays 64 visible
-squares). A one-channel image is drawn dark on light, stretched between its own lowest and
-highest value; a colour image is shown as it is, clipped to [0, 1].
+squares). Images are drawn as they are, values in [0, 1] (0 black, 1 white; clipped): what
+the data set's `show` gives, the model's view of them.
 """
 
 from __future__ import annotations
@@ -26,22 +26,21 @@ GREEN, RED = (0, 128, 0), (220, 0, 0)
 
 
 def _pixels(image: torch.Tensor) -> Image.Image:
-    """(C, H, W) -> a picture: one channel dark on light (min white, max black), else RGB."""
-    array = image.detach().float().cpu().numpy()
+    """(C, H, W) in [0, 1] -> a picture: grey for one channel, else RGB."""
+    array = np.clip(image.detach().float().cpu().numpy(), 0, 1)
     if array.shape[0] == 1:
-        plane = array[0]
-        lo, hi = float(plane.min()), float(plane.max())
-        shade = (plane - lo) / (hi - lo) if hi > lo else np.zeros_like(plane)
-        return Image.fromarray(np.round(255 * (1 - shade)).astype(np.uint8), mode="L")
-    rgb = np.clip(array.transpose(1, 2, 0), 0, 1)
+        return Image.fromarray(np.round(255 * array[0]).astype(np.uint8), mode="L")
+    rgb = array.transpose(1, 2, 0)
     return Image.fromarray(np.round(255 * rgb).astype(np.uint8), mode="RGB")
 
 
 def save_grid(
-    images: torch.Tensor, preds: list[int], labels: list[int] | None, title: str, path: Path
+    images: torch.Tensor, preds: list[int], labels: list[int] | None, title: str, path: Path,
+    classes: list[str] | None = None,
 ) -> None:
     """Up to COLUMNS images a row, each under "pred P" (or "pred P / true T": green when
-    right, red when wrong), the title above. The title and each cell's label also go into
+    right, red when wrong; P and T the `classes`' names where the data has them), the title
+    above. The title and each cell's label also go into
     the PNG's text fields (Title, Description), for tools to read."""
     n = len(images)
     cols = max(1, min(COLUMNS, n))
@@ -54,7 +53,8 @@ def save_grid(
     cells = []
     for i in range(n):
         left, top = (i % cols) * CELL[0], TITLE_H + (i // cols) * CELL[1]
-        cell = f"pred {preds[i]}" + ("" if labels is None else f" / true {labels[i]}")
+        name = (lambda c: classes[c]) if classes else str  # a class's name, else its index
+        cell = f"pred {name(preds[i])}" + ("" if labels is None else f" / true {name(labels[i])}")
         cells.append(cell)
         color = "black" if labels is None else GREEN if preds[i] == labels[i] else RED
         draw.text((left + CELL[0] / 2, top + LABEL_H / 2 - 4), cell, fill=color, anchor="mm",

@@ -60,9 +60,10 @@ def build_model(cfg: AppConfig, data: DataModule) -> nn.Module:
 def build_trained_model(cfg: AppConfig, data: DataModule
                         ) -> tuple[nn.Module, manager.TrainedAt]:
     """The model of `cfg` with the weights of `cfg.ckpt` that validation used (EMA's when the
-    run kept one), in eval mode, on the CPU; and the step and epoch they were saved at."""
+    run kept one), in eval mode, on the CPU; and the step and epoch they were saved at. `data`
+    takes what it learnt in that training (an image folder's normalisation)."""
     model = build_model(cfg, data)
-    trained_at = manager.load_inference_weights(model, cfg.ckpt)
+    trained_at = manager.load_for_inference(model, data, cfg.ckpt)
     return model.eval(), trained_at
 
 

@@ -82,7 +82,8 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
               global_batch=global_batch, total_steps=total_steps, state=state)
     progress.follow(run)  # the stall watchdog names run.step
 
-    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg, train_step, state, callbacks)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg, train_step, state, callbacks,
+                                    data)
     checkpoints.restore()  # resume=, or the weights of ckpt=, or nothing
     if checkpoints.resumed_from is not None and finished(state, t):  # a re-run sweep job
         log.info("already finished at step %d%s: nothing to train", state.step,

@@ -1,0 +1,136 @@
+"""What every data object has: the loader settings, the two splits, and the hooks the modes
+and pictures use (`decode_file`, `show`, `state_dict`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from app.checks import whole
+from app.config import LoaderConfig
+from app.errors import UserError
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = (".bmp", ".gif", ".jpeg", ".jpg", ".png", ".tif", ".tiff", ".webp")
+
+
+class DataModule:
+    """What the loop needs from a data object; subclasses fill in `train` and `val` (any
+    map-style data sets of `(input, target)`), `input_shape` and `num_classes`.
+
+    Loader settings: `num_workers` loader processes, `pin_memory` (page-locked batches, with
+    CUDA), `persistent_workers` (kept across epochs), `cache` (the decoded data set in shared
+    memory, mapped by every loader worker instead of copied into each).
+    """
+
+    train: Dataset
+    val: Dataset
+    input_shape: tuple[int, ...]
+    num_classes: int
+    classes: list[str] | None = None  # the classes' names, where the data has them
+
+    def __init__(self, batch_size: int = LoaderConfig.batch_size,
+                 val_batch_size: int | None = LoaderConfig.val_batch_size,
+                 num_workers: int = LoaderConfig.num_workers,
+                 pin_memory: bool = LoaderConfig.pin_memory,
+                 persistent_workers: bool = LoaderConfig.persistent_workers,
+                 cache: bool = LoaderConfig.cache) -> None:
+        whole("data.batch_size", batch_size, 1)
+        if val_batch_size is not None:
+            whole("data.val_batch_size", val_batch_size, 1)
+        whole("data.num_workers", num_workers, 0)
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.num_workers = num_workers
+        self.pin_memory, self.persistent_workers, self.cache = (
+            pin_memory, persistent_workers, cache)
+
+    def set_epoch(self, epoch: int, seed: int) -> None:
+        """Called by the loop before each epoch (random augmentations key on it)."""
+
+    def cache_in_memory(self) -> None:
+        """Decode every sample once into shared memory (`cache=true`)."""
+        self.train = _shared(self.train)
+        self.val = _shared(self.val)
+        log.info("cached %d + %d samples in shared memory", len(self.train), len(self.val))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the data learnt from the training set (a normalisation, say): kept in every
+        checkpoint, so evaluation, prediction and export see inputs as training did."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what `state_dict` gave (from a checkpoint)."""
+
+    def decode_file(self, path: Path) -> torch.Tensor:
+        """One input from an image file, as the model takes it (predict on a folder). This
+        default: grey or RGB by the input's channels, resized to its height and width,
+        scaled to [0, 1]: pixels as they are, light high and dark low."""
+        from app.data import transforms
+
+        channels, height, width = _image_shape(self.input_shape, path)
+        image = transforms.decode(path, "L" if channels == 1 else "RGB").resize((width, height))
+        return transforms.to_tensor(image)
+
+    def show(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Inputs as pictures show them: images with values in [0, 1] (a data set that
+        normalises its images undoes that here)."""
+        return inputs
+
+
+def _image_shape(shape: tuple[int, ...], path: Path) -> tuple[int, int, int]:
+    if len(shape) != 3 or shape[0] not in (1, 3):
+        raise UserError(f"{path}: images need a 1- or 3-channel image model; the data's inputs "
+                        f"have shape {list(shape)}")
+    return shape[0], shape[1], shape[2]
+
+
+def first_samples(dataset: Dataset, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `count` samples of any map-style data set of `(input, target)`, stacked."""
+    if isinstance(dataset, TensorDataset):
+        inputs, targets = dataset.tensors[:2]
+        return inputs[:count], targets[:count]
+    items = [dataset[i] for i in range(min(count, len(dataset)))]  # type: ignore[arg-type]
+    return (torch.stack([torch.as_tensor(x) for x, _ in items]),
+            torch.as_tensor([int(y) for _, y in items]))
+
+
+def _shared(dataset: Dataset) -> Dataset:
+    if isinstance(dataset, TensorDataset):
+        for tensor in dataset.tensors:
+            tensor.share_memory_()
+        return dataset
+    share = getattr(dataset, "share_memory", None)
+    if share is not None:  # a data set that knows its tensors (ShiftedImages)
+        share()
+        return dataset
+    items = [dataset[i] for i in range(len(dataset))]  # any map-style data set of tensors
+    return TensorDataset(*(torch.stack([torch.as_tensor(f) for f in field]).share_memory_()
+                           for field in zip(*items, strict=True)))
+
+
+def split(num: int, val_fraction: float, split_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and validation indices of `num` samples: a `val_fraction` share for validation,
+    drawn by `split_seed`."""
+    if not 0 < val_fraction < 1:
+        raise UserError(f"data.val_fraction={val_fraction}: must lie strictly between 0 and 1")
+    num_val = round(num * val_fraction)
+    if not 0 < num_val < num:  # an empty split would divide by zero at the first validation
+        which = "no sample for validation" if num_val < 1 else "no sample for training"
+        raise UserError(
+            f"data.val_fraction={val_fraction} of {num} samples leaves {which}; the minimum is "
+            f"{1 / num:.2g} and the maximum {1 - 1 / num:.4g} (one sample in each split)")
+    order = torch.randperm(num, generator=torch.Generator().manual_seed(split_seed))
+    return order[num_val:], order[:num_val]
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample `index`'s random augmentation in `epoch`: from these three alone,
+    so whichever loader worker draws it, it is the same, and a resumed run sees the same
+    augmented samples. Folded into the 64 bits torch's generators take."""
+    return ((seed * 1_000_003 + epoch) * 10_007 + index) % 2**64

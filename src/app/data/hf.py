@@ -1,0 +1,130 @@
+"""`data=hf`: a Hugging Face `datasets` data set of images from local files (an optional
+extra: `pip install datasets`). Never a download: `path` is a folder on disk, either
+
+- what `save_to_disk` wrote (a DatasetDict or a single Dataset), or
+- a folder that `load_dataset` reads by itself: parquet files (`train-*.parquet`, ...) or an
+  image folder (`train/CLASS/IMAGE.jpg`, ...); `builder` names the builder when the files do
+  not tell it (`parquet`, `imagefolder`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from app.data import transforms
+from app.data.base import split
+from app.data.images import ImageData, ImageSet
+from app.data.transforms import BadImage
+from app.errors import UserError
+
+log = logging.getLogger(__name__)
+
+VAL_SPLITS = ("validation", "valid", "val", "test")  # looked for, in this order
+
+
+class HFRows(ImageSet):
+    """The image column of a `datasets.Dataset` (read undecoded, decoded here by Pillow)."""
+
+    def __init__(self, rows: Any, column: str, labels: list[int], mode: str) -> None:
+        super().__init__(labels, mode)
+        self.rows, self.column = rows, column
+
+    def load(self, index: int) -> Image.Image:
+        value = self.rows[index][self.column]
+        if isinstance(value, Image.Image):
+            return value.convert(self.mode)
+        data, path = (value.get("bytes"), value.get("path")) if isinstance(value, dict) else (
+            None, None)
+        try:
+            with Image.open(io.BytesIO(data) if data else path) as image:
+                return image.convert(self.mode)
+        except (*transforms.DECODE_ERRORS, TypeError) as e:
+            raise BadImage(f"row {index} of column {self.column!r} ({path or 'bytes'}) is not "
+                           f"a readable image ({str(e).strip() or type(e).__name__})") from None
+
+
+def _datasets() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("data=hf needs the datasets package: pip install datasets "
+                        "(or pip install -e '.[hf]')") from None
+    return datasets
+
+
+def _load(path: Path, builder: str | None) -> Any:
+    """A DatasetDict (or a Dataset) from the folder."""
+    datasets = _datasets()
+    if not path.exists():
+        raise UserError(f"data.path={path}: no such file or folder")
+    saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+    try:
+        if saved and builder is None:
+            return datasets.load_from_disk(str(path))
+        if builder is None:
+            return datasets.load_dataset(str(path))
+        return datasets.load_dataset(builder, data_dir=str(path))
+    except (FileNotFoundError, ValueError, datasets.exceptions.DatasetGenerationError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"data.path={path}: not a data set datasets can read ({reason})"
+                        ) from None
+
+
+class HFImages(ImageData):
+    """Images and labels from a local Hugging Face data set (see the module's docstring).
+
+    `image_column` and `label_column` name the columns. `train_split` is the training split;
+    `val_split` the validation split (null: the first of validation, valid, val, test that
+    exists, else a `val_fraction` share of the training split drawn by `split_seed`). The image
+    options are ImageData's.
+    """
+
+    def __init__(self, path: str, image_column: str = "image", label_column: str = "label",
+                 train_split: str = "train", val_split: str | None = None,
+                 val_fraction: float = 0.2, builder: str | None = None, **options) -> None:
+        super().__init__(**options)
+        self.path = Path(path).expanduser()
+        loaded = _load(self.path, builder)
+        splits = dict(loaded) if hasattr(loaded, "keys") else {train_split: loaded}
+        if train_split not in splits:
+            raise UserError(f"data.train_split={train_split}: {self.path} has the splits "
+                            f"{', '.join(splits)}")
+        train = splits[train_split]
+        for column in (image_column, label_column):
+            if column not in train.column_names:
+                key = "image_column" if column == image_column else "label_column"
+                raise UserError(f"data.{key}={column}: {self.path} has the columns "
+                                f"{', '.join(train.column_names)}")
+        if val_split is not None and val_split not in splits:
+            raise UserError(f"data.val_split={val_split}: {self.path} has the splits "
+                            f"{', '.join(splits)}")
+        val_split = val_split or next((s for s in VAL_SPLITS if s in splits), None)
+        datasets = _datasets()
+        undecoded = datasets.Image(decode=False)
+        if isinstance(train.features[image_column], datasets.Image):
+            splits = {k: v.cast_column(image_column, undecoded) for k, v in splits.items()}
+        classes, to_label = _classes(train.features[label_column], train[label_column])
+        if val_split is None:
+            train_idx, val_idx = split(len(train), val_fraction, self.split_seed)
+            rows = splits[train_split]
+            parts = (rows.select(train_idx.tolist()), rows.select(val_idx.tolist()))
+        else:
+            parts = (splits[train_split], splits[val_split])
+        sets = [HFRows(rows, image_column, [to_label(v) for v in rows[label_column]], self.mode)
+                for rows in parts]
+        self.use(classes, sets[0], sets[1], f"data.path={self.path}")
+
+
+def _classes(feature: Any, values: list[Any]) -> tuple[list[str], Any]:
+    """The class names and a function from a label value to its index."""
+    names = getattr(feature, "names", None)  # a ClassLabel column
+    if names:
+        return list(names), int
+    found = sorted({str(v) for v in values})
+    index = {name: i for i, name in enumerate(found)}
+    return found, lambda value: index[str(value)]

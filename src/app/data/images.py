@@ -1,0 +1,215 @@
+"""What image data sets share (`data=image_folder`, `data=hf`): images decoded with Pillow as
+grey (`channels=1`) or RGB (`channels=3`), viewed at `image_size`, augmented for training
+(random resized crop and flip, drawn from (seed, epoch, index)), and normalised per channel:
+by the `mean` and `std` given, or by those of the training images (computed once, from up to
+STATS_SAMPLES of them, and kept in every checkpoint, so evaluation and prediction see images
+as training did).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from app.checks import seed_value, widths
+from app.data import transforms
+from app.data.base import DataModule, sample_seed
+from app.data.transforms import BadImage
+from app.errors import UserError
+
+log = logging.getLogger(__name__)
+
+STATS_SAMPLES = 1000  # training images the normalisation is computed from, at most
+
+
+class Decoded:
+    """Every image of a set decoded once, in one shared-memory block that loader workers map
+    instead of copying (`data.cache=true`); an image comes back exactly as decoding gives it,
+    so training is the same with the cache and without."""
+
+    def __init__(self, images: list[Image.Image], mode: str) -> None:
+        arrays = [torch.from_numpy(np.array(image, dtype=np.uint8)) for image in images]
+        self.shapes = [tuple(a.shape) for a in arrays]
+        sizes = torch.tensor([a.numel() for a in arrays], dtype=torch.int64)
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+        self.pixels = torch.cat([a.flatten() for a in arrays]).share_memory_()
+        self.mode = mode
+
+    def image(self, index: int) -> Image.Image:
+        start, end = self.offsets[index].item(), self.offsets[index + 1].item()
+        return Image.fromarray(self.pixels[start:end].view(self.shapes[index]).numpy(),
+                               mode=self.mode)
+
+
+class ImageSet(Dataset):
+    """Images with their labels, decoded when read (`load`, by the subclass): the evaluation
+    view, or (with `augment`) a random resized crop and flip drawn from (seed, epoch, index)
+    alone, so loader workers never repeat each other and a resumed run sees the same
+    samples."""
+
+    def __init__(self, labels: list[int], mode: str) -> None:
+        self.labels = torch.tensor(labels, dtype=torch.int64)
+        self.mode = mode
+        self.key = torch.zeros(2, dtype=torch.int64).share_memory_()  # seed, epoch
+        self.decoded: Decoded | None = None
+        # Set by ImageData: the view's size, the normalisation, the augmentation (or None).
+        self.size: tuple[int, int] = (0, 0)
+        self.stats = torch.zeros(0)
+        self.augment: dict[str, Any] | None = None
+
+    def load(self, index: int) -> Image.Image:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def share_memory(self) -> None:  # data.cache=true
+        self.decoded = Decoded([self.load(i) for i in range(len(self))], self.mode)
+
+    def image(self, index: int) -> Image.Image:
+        return self.load(index) if self.decoded is None else self.decoded.image(index)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.image(index)
+        if self.augment is None:
+            image = transforms.resize_and_crop(image, self.size)
+        else:
+            seed, epoch = self.key.tolist()
+            rng = random.Random(sample_seed(seed, epoch, index))
+            image = transforms.random_resized_crop(image, self.size, rng=rng, **self.augment)
+        x = transforms.to_tensor(image)
+        return transforms.normalize(x, self.stats[0], self.stats[1]), self.labels[index]
+
+
+class ImageData(DataModule):
+    """A data module of two ImageSets (its subclass finds them and calls `use`).
+
+    `augment` turns on the training augmentation (a random resized crop with an area share in
+    `crop_scale`, and a left-right flip with `flip`); `mean` and `std` fix the normalisation
+    (else it comes from the training images).
+    """
+
+    def __init__(self, image_size: int | list[int] = 32, channels: int = 3,
+                 mean: list[float] | None = None, std: list[float] | None = None,
+                 augment: bool = True, crop_scale: list[float] | tuple[float, float] = (0.35, 1.0),
+                 flip: bool = True, split_seed: int = 0, **loader) -> None:
+        super().__init__(**loader)
+        self.split_seed = seed_value("data.split_seed", split_seed)
+        if channels not in (1, 3):
+            raise UserError(f"data.channels={channels}: 1 (grey) or 3 (RGB)")
+        size = widths("data.image_size", [image_size] * 2 if isinstance(image_size, int)
+                      and not isinstance(image_size, bool) else image_size)
+        if len(size) != 2:
+            raise UserError(f"data.image_size={image_size}: one size, or [height, width]")
+        scale = tuple(float(s) for s in crop_scale)
+        if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
+            raise UserError(f"data.crop_scale={list(crop_scale)}: [low, high] with "
+                            f"0 < low <= high <= 1 (shares of the image's area)")
+        if (mean is None) != (std is None):
+            raise UserError("data.mean and data.std: give both, or neither (then they are "
+                            "computed from the training images)")
+        self.mode = "L" if channels == 1 else "RGB"
+        self.input_shape = (channels, size[0], size[1])
+        self.stats = torch.zeros(2, channels).share_memory_()  # mean, std per channel
+        self._given = None if mean is None else _given(mean, std, channels)
+        self._augment = {"scale": scale, "flip": flip} if augment else None
+        self.classes: list[str] = []
+
+    def use(self, classes: list[str], train: ImageSet, val: ImageSet, where: str) -> None:
+        """Take the two sets (of `classes`, found `where`) and set their normalisation."""
+        self.classes, self.num_classes = list(classes), len(classes)
+        for images, augment in ((train, self._augment), (val, None)):
+            images.size, images.stats, images.augment = self.input_shape[1:], self.stats, augment
+        self.train, self.val = train, val
+        if self.cache:  # decoded once, for the statistics too
+            self.cache_in_memory()
+        if self._given is not None:
+            self.stats[:] = self._given
+            return
+        self.stats[:] = _statistics(train, self.split_seed)
+        log.info("%s: %d classes, %d training and %d validation images; normalised by the "
+                 "training images' mean %s and std %s", where, self.num_classes, len(train),
+                 len(val), _rounded(self.stats[0]), _rounded(self.stats[1]))
+
+    def set_epoch(self, epoch: int, seed: int) -> None:
+        self.train.key[0], self.train.key[1] = seed, epoch
+
+    def cache_in_memory(self) -> None:
+        if self.train.decoded is not None:
+            return  # (done already by `use`)
+        self.train.share_memory()
+        self.val.share_memory()
+        size = sum(s.decoded.pixels.numel() for s in (self.train, self.val) if s.decoded)
+        log.info("cached %d + %d decoded images in shared memory (%.1f MB)", len(self.train),
+                 len(self.val), size / 1e6)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"classes": list(self.classes), "mean": self.stats[0].tolist(),
+                "std": self.stats[1].tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if list(state["classes"]) != self.classes:
+            raise UserError(
+                f"the data has the classes {_listed(self.classes)}, the checkpoint was trained "
+                f"on {_listed(state['classes'])}: its labels would mean other classes here")
+        self.stats[0] = torch.tensor(state["mean"])
+        self.stats[1] = torch.tensor(state["std"])
+
+    def decode_file(self, path: Path) -> torch.Tensor:
+        image = transforms.resize_and_crop(transforms.decode(path, self.mode),
+                                           self.input_shape[1:])
+        return transforms.normalize(transforms.to_tensor(image), self.stats[0], self.stats[1])
+
+    def show(self, inputs: torch.Tensor) -> torch.Tensor:
+        return (inputs * self.stats[1][:, None, None] + self.stats[0][:, None, None]).clamp(0, 1)
+
+
+def _listed(classes: list[str]) -> str:
+    return ", ".join(classes[:8]) + (f" ... ({len(classes)})" if len(classes) > 8 else "")
+
+
+def _rounded(values: torch.Tensor) -> list[float]:
+    return [round(v, 4) for v in values.tolist()]
+
+
+def _statistics(images: ImageSet, seed: int) -> torch.Tensor:
+    """Per-channel mean and std of (up to STATS_SAMPLES of) the training images' evaluation
+    views, in float64 (the same on every rank: the sample is drawn by `seed`)."""
+    chosen = range(len(images))
+    if len(images) > STATS_SAMPLES:
+        chosen = sorted(random.Random(seed).sample(range(len(images)), STATS_SAMPLES))
+    total = torch.zeros(2, images.stats.shape[1], dtype=torch.float64)
+    count = 0
+    for index in chosen:
+        try:
+            image = images.image(index)
+        except BadImage as e:
+            raise UserError(f"{e}; remove or replace it, or skip unreadable images with "
+                            f"data.bad_files=skip") from None
+        x = transforms.to_tensor(transforms.resize_and_crop(image, images.size)).double()
+        total[0] += x.sum((1, 2))
+        total[1] += (x * x).sum((1, 2))
+        count += x[0].numel()
+    mean = total[0] / count
+    std = (total[1] / count - mean * mean).clamp_min(0).sqrt()
+    std[std < 1e-6] = 1.0  # a channel of one value everywhere: centred, not scaled
+    return torch.stack([mean, std]).float()
+
+
+def _given(mean: list[float], std: list[float], channels: int) -> torch.Tensor:
+    mean, std = list(mean), list(std)
+    if len(mean) != channels or len(std) != channels:
+        raise UserError(f"data.mean={mean}, data.std={std}: one value per channel "
+                        f"(data.channels={channels})")
+    if min(std) <= 0:
+        raise UserError(f"data.std={std}: every value must be positive")
+    return torch.tensor([mean, std], dtype=torch.float32)

@@ -1,0 +1,80 @@
+"""Image transforms with Pillow and NumPy: decoding, the evaluation view (resize, centre
+crop), the training augmentation (random resized crop, flip) and normalisation.
+
+The augmentation draws from a `random.Random` seeded per sample (`base.sample_seed`), never
+from a global generator: a sample's crop depends on (seed, epoch, index) only.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+# What Pillow raises for a file it cannot read as an image (DecompressionBombError: a file
+# that claims to be far larger than any photo; Image.MAX_IMAGE_PIXELS).
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+class BadImage(Exception):
+    """An image file that cannot be decoded; the message names the file and why."""
+
+
+def decode(path: Path, mode: str) -> Image.Image:
+    """The image at `path`, fully decoded, in `mode` ("L" grey or "RGB")."""
+    try:
+        with Image.open(path) as image:
+            return image.convert(mode)  # converting loads every pixel: a truncated file fails
+    except DECODE_ERRORS as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BadImage(f"{path} is not a readable image ({reason})") from None
+
+
+def resize_and_crop(image: Image.Image, size: tuple[int, int]) -> Image.Image:
+    """The evaluation view: scaled (bilinear) so that it covers `size` (height, width), then
+    its centre cut out."""
+    height, width = size
+    scale = max(height / image.height, width / image.width)
+    scaled = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
+    image = image.resize(scaled, Image.Resampling.BILINEAR)
+    left, top = (image.width - width) // 2, (image.height - height) // 2
+    return image.crop((left, top, left + width, top + height))
+
+
+def random_resized_crop(image: Image.Image, size: tuple[int, int], scale: tuple[float, float],
+                        flip: bool, rng: random.Random) -> Image.Image:
+    """A random part of the image (an area share in `scale`, an aspect ratio in [3/4, 4/3],
+    drawn up to ten times, else the centred evaluation view) resized to `size`, mirrored
+    left-right with probability 1/2 when `flip`: the augmentation of ImageNet training."""
+    height, width = size
+    area = image.width * image.height
+    box = None
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+        if 0 < w <= image.width and 0 < h <= image.height:
+            left, top = rng.randint(0, image.width - w), rng.randint(0, image.height - h)
+            box = (left, top, left + w, top + h)
+            break
+    if box is None:
+        out = resize_and_crop(image, size)
+    else:
+        out = image.resize((width, height), Image.Resampling.BILINEAR, box=box)
+    if flip and rng.random() < 0.5:
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return out
+
+
+def to_tensor(image: Image.Image) -> torch.Tensor:
+    """(C, H, W) float32 in [0, 1]."""
+    array = np.asarray(image, dtype=np.float32) / 255.0
+    return torch.from_numpy(array[None] if array.ndim == 2 else array.transpose(2, 0, 1).copy())
+
+
+def normalize(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    return (x - mean[:, None, None]) / std[:, None, None]

@@ -1,0 +1,86 @@
+"""A Hugging Face data set on disk (`data=hf`): a `save_to_disk` folder, parquet files and the
+`imagefolder` builder give the same training; every mode reads it; mistakes are one line.
+Never a download: everything is made here from an image folder (tests/helpers/images.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from app.errors import UserError
+from conftest import HELPERS, load_state, read_metrics, run_job
+
+sys.path.insert(0, str(HELPERS))
+from images import CLASSES, make_image_folder  # noqa: E402
+
+SMALL = ["data=hf", "model=resnet", "model.channels=[8,16]", "data.image_size=16",
+         "data.batch_size=8", "trainer.max_epochs=2", "trainer.log_every_n_steps=1",
+         "trainer.progress_bar=false"]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """The same 36 images as an image folder, a save_to_disk folder and a parquet file."""
+    base = tmp_path_factory.mktemp("hf")
+    os.environ.setdefault("HF_HOME", str(base / "hf-home"))  # (its cache, not the user's)
+    import datasets
+
+    make_image_folder(base / "folder")
+    loaded = datasets.load_dataset("imagefolder", data_dir=str(base / "folder"))
+    loaded.save_to_disk(str(base / "saved"))
+    (base / "parquet").mkdir()
+    loaded["train"].to_parquet(str(base / "parquet" / "train-00000-of-00001.parquet"))
+    return base
+
+
+def test_saved_parquet_and_imagefolder_sources_train_alike(sources, tmp_path) -> None:
+    runs = [run_job(tmp_path / name, *SMALL, f"data.path={sources / name}", *extra)
+            for name, extra in (("saved", []), ("parquet", []),
+                                ("folder", ["data.builder=imagefolder"]))]
+    assert "data.path=" in runs[0].output and "3 classes, 29 training and 7 validation" in (
+        runs[0].output)
+    metrics = [read_metrics(r.run_dir) for r in runs]
+    assert metrics[0] and metrics[0] == metrics[1] == metrics[2]
+    assert load_state(runs[0].run_dir / "checkpoints" / "last.pt")["data"]["classes"] == list(
+        CLASSES)
+
+
+def test_every_mode_reads_a_saved_dataset(sources, tmp_path) -> None:
+    trained = run_job(tmp_path / "train", *SMALL, f"data.path={sources / 'saved'}",
+                      "data.num_workers=2").run_dir
+    best = trained / "checkpoints" / "best.pt"
+    common = [*SMALL, f"data.path={sources / 'saved'}", f"ckpt={best}"]
+    recorded = load_state(best)["metrics"]["acc"]
+    assert run_job(tmp_path / "eval", *common, "trainer=eval").value == recorded
+    assert run_job(tmp_path / "predict", *common, "trainer=predict").value == recorded
+    exported = run_job(tmp_path / "export", *common, "trainer=export").run_dir
+    assert (exported / "export" / "model.pt2").is_file()
+
+
+def test_a_validation_split_and_string_labels(sources, tmp_path) -> None:
+    import datasets
+
+    rows = datasets.load_from_disk(str(sources / "saved"))["train"]
+    names = rows.features["label"].names
+    as_text = rows.map(lambda row: {"name": names[row["label"]]}).remove_columns("label")
+    parts = as_text.train_test_split(test_size=0.25, seed=0)
+    datasets.DatasetDict({"train": parts["train"], "validation": parts["test"]}).save_to_disk(
+        str(tmp_path / "named"))
+    job = run_job(tmp_path / "run", *SMALL, f"data.path={tmp_path / 'named'}",
+                  "data.label_column=name", "trainer.max_epochs=1")
+    assert "3 classes, 27 training and 9 validation images" in job.output  # its own split
+
+
+@pytest.mark.parametrize(("override", "words"), [
+    ("data.path=/nonexistent/set", "data.path=/nonexistent/set: no such file or folder"),
+    ("data.image_column=picture", "data.image_column=picture: .* has the columns image, label"),
+    ("data.train_split=training", "data.train_split=training: .* has the splits train"),
+    ("data.val_split=dev", "data.val_split=dev: .* has the splits train"),
+])
+def test_a_mistake_is_one_line_naming_it(sources, tmp_path, override, words) -> None:
+    overrides = [*SMALL, f"data.path={sources / 'saved'}", override]
+    with pytest.raises(UserError, match=words) as raised:
+        run_job(tmp_path / "run", *overrides)
+    assert "\n" not in str(raised.value)
