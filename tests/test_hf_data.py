@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from app.errors import UserError
-from conftest import HELPERS, load_state, read_metrics, run_job
+from conftest import HELPERS, assert_same_weights, load_state, read_metrics, run_job
 
 sys.path.insert(0, str(HELPERS))
 from images import CLASSES, make_image_folder  # noqa: E402
@@ -48,8 +48,14 @@ def test_saved_parquet_and_imagefolder_sources_train_alike(sources, tmp_path) ->
 
 
 def test_every_mode_reads_a_saved_dataset(sources, tmp_path) -> None:
-    trained = run_job(tmp_path / "train", *SMALL, f"data.path={sources / 'saved'}",
-                      "data.num_workers=2").run_dir
+    resumable = [*SMALL, f"data.path={sources / 'saved'}", "data.num_workers=2",
+                 "trainer.ckpt_every_n_steps=2", "trainer.keep_last=100",
+                 "+callbacks/eval_visuals=default"]
+    trained = run_job(tmp_path / "train", *resumable).run_dir
+    assert (trained / "eval_visuals" / "step-00000006.png").is_file()
+    source = trained / "checkpoints" / "step-00000004.pt"  # mid-epoch 2, augmented, 2 workers
+    resumed = run_job(tmp_path / "resumed", *resumable, f"resume={source}").run_dir
+    assert_same_weights(trained / "checkpoints" / "last.pt", resumed / "checkpoints" / "last.pt")
     best = trained / "checkpoints" / "best.pt"
     common = [*SMALL, f"data.path={sources / 'saved'}", f"ckpt={best}"]
     recorded = load_state(best)["metrics"]["acc"]
