@@ -45,7 +45,7 @@ WRONG_TYPE = [("trainer.max_steps=abc", "trainer.max_steps"), ("devices=two", "d
               ("trainer.max_steps=3.7", "max_steps"), ("seed=true", "seed"),
               ("distributed.timeout_s=soon", "timeout_s"), ("data.input_shape=abc", "input_shape")]
 UNKNOWN = [("trainer.epochs=3", "epochs"), ("+trainer.epochs=3", "epochs"), ("+foo=1", "foo"),
-           ("model=resnet", "resnet"), ("optimizer=lamb", "lamb"), ("logger=wandb", "wandb"),
+           ("model=resnet50", "resnet50"), ("optimizer=lamb", "lamb"), ("logger=wandb", "wandb"),
            ("+nogroup=x", "nogroup"), ("distributed.bakend=gloo", "bakend"),
            ("+logger.nope=1", "nope"), ("scheduler=onecycle", "onecycle"),
            ("model.widht=3", "widht"), ("data.batchsize=3", "batchsize"),
@@ -126,7 +126,9 @@ def _problem(result: subprocess.CompletedProcess | str, word: str | None) -> str
     # to a full-traceback switch; a few lines at most (Hydra lists the options of a group).
     lines = output.splitlines()
     first = next((i for i, line in enumerate(lines) if "][ERROR]" in line), 0)
-    error = [line for line in lines[first:] if line.strip() and "HYDRA_FULL_ERROR" not in line]
+    # (Hydra lists a group's options one per line, indented: a list, not a wall of text.)
+    error = [line for line in lines[first:] if line.strip() and "HYDRA_FULL_ERROR" not in line
+             and not line.startswith("\t")]
     if len(error) > 12:
         return f"{len(error)} lines of error: {output[-1500:]}"
     if word.lower() not in output.lower():

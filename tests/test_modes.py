@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.data import DataModule
 from app.errors import UserError
 from conftest import REPO, TINY, assert_ok, load_state, make_config, read_metrics, run_app, run_job
 
@@ -159,8 +160,8 @@ def test_unavailable_accelerator_falls_back_to_cpu(tmp_path) -> None:
     assert "on cpu x 1" in result.output
 
 
-class _Digits:
-    input_shape = (1, 8, 8)  # all that load_inputs asks of a data object
+class _Digits(DataModule):
+    input_shape = (1, 8, 8)  # what load_inputs asks of a data object, with DataModule's decoding
 
 
 def _corrupt_inputs(tmp_path) -> dict[str, tuple[Path, str]]:

@@ -17,6 +17,10 @@ class UserError(AppError, ValueError):
     exit_code = 2
 
 
+class BadImage(UserError):
+    """An image file that cannot be decoded; the message names the file and why."""
+
+
 class RunDirInUse(UserError):
     """Another live command owns the run directory; nothing was written into it."""
 

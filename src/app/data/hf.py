@@ -19,8 +19,7 @@ from PIL import Image
 from app.data import transforms
 from app.data.base import split
 from app.data.images import ImageData, ImageSet
-from app.data.transforms import BadImage
-from app.errors import UserError
+from app.errors import BadImage, UserError
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,7 @@ from torch.utils.data import Dataset
 from app.checks import seed_value, widths
 from app.data import transforms
 from app.data.base import DataModule, sample_seed
-from app.data.transforms import BadImage
-from app.errors import UserError
+from app.errors import BadImage, UserError
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+from app.errors import BadImage
+
 # What Pillow raises for a file it cannot read as an image (DecompressionBombError: a file
 # that claims to be far larger than any photo; Image.MAX_IMAGE_PIXELS).
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
-
-
-class BadImage(Exception):
-    """An image file that cannot be decoded; the message names the file and why."""
 
 
 def decode(path: Path, mode: str) -> Image.Image:

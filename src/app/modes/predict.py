@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 from app.config import AppConfig
 from app.data import DataModule
 from app.data.base import IMAGE_SUFFIXES
-from app.data.transforms import DECODE_ERRORS, BadImage
-from app.errors import UserError
+from app.data.transforms import DECODE_ERRORS
+from app.errors import BadImage, UserError
 from app.files import write_text_atomically
 from app.reporting.grids import save_grid
 from app.training.build import build_data, build_trained_model
