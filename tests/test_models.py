@@ -44,8 +44,8 @@ def test_a_model_library_that_does_not_import_is_one_line(factory, package) -> N
 
 
 @pytest.mark.skipif(not (_imports("torchvision") and _imports("timm")),
-                    reason="torchvision and timm import only with a CUDA build of torch here "
-                           "(make test-gpu runs this on the GPU machine)")
+                    reason="torchvision and timm do not import here (PyPI's torchvision needs a "
+                           "CUDA build of torch); the GPU machine has both: run this file there")
 def test_models_by_name() -> None:
     for model in (torchvision_model((3, 32, 32), 7, name="resnet18"),
                   timm_model((1, 32, 32), 7, name="resnet18")):
