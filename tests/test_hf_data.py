@@ -39,8 +39,7 @@ def test_saved_parquet_and_imagefolder_sources_train_alike(sources, tmp_path) ->
     runs = [run_job(tmp_path / name, *SMALL, f"data.path={sources / name}", *extra)
             for name, extra in (("saved", []), ("parquet", []),
                                 ("folder", ["data.builder=imagefolder"]))]
-    assert "data.path=" in runs[0].output and "3 classes, 29 training and 7 validation" in (
-        runs[0].output)
+    assert "data.path=" in runs[0].output and "29 training and 7 validation" in runs[0].output
     metrics = [read_metrics(r.run_dir) for r in runs]
     assert metrics[0] and metrics[0] == metrics[1] == metrics[2]
     assert load_state(runs[0].run_dir / "checkpoints" / "last.pt")["data"]["classes"] == list(
@@ -76,7 +75,7 @@ def test_a_validation_split_and_string_labels(sources, tmp_path) -> None:
         str(tmp_path / "named"))
     job = run_job(tmp_path / "run", *SMALL, f"data.path={tmp_path / 'named'}",
                   "data.label_column=name", "trainer.max_epochs=1")
-    assert "3 classes, 27 training and 9 validation images" in job.output  # its own split
+    assert "27 training and 9 validation images" in job.output  # its own split
 
 
 @pytest.mark.parametrize(("override", "words"), [
@@ -90,3 +89,61 @@ def test_a_mistake_is_one_line_naming_it(sources, tmp_path, override, words) -> 
     with pytest.raises(UserError, match=words) as raised:
         run_job(tmp_path / "run", *overrides)
     assert "\n" not in str(raised.value)
+
+
+def _rows_of(sources):
+    import datasets
+
+    return datasets.load_from_disk(str(sources / "saved"))["train"]
+
+
+def test_an_unlabelled_test_split_is_not_taken_for_validation(sources, tmp_path) -> None:
+    import datasets
+
+    rows = _rows_of(sources)
+    unlabelled = rows.select(range(6)).map(lambda row: {"label": -1})  # the Hub's convention
+    datasets.DatasetDict({"train": rows, "test": unlabelled}).save_to_disk(str(tmp_path / "d"))
+    job = run_job(tmp_path / "run", *SMALL, f"data.path={tmp_path / 'd'}",
+                  "trainer.max_epochs=1")
+    assert "29 training and 7 validation images" in job.output  # a share of train instead
+    with pytest.raises(UserError, match="row 0 of split test has the label '-1'"):
+        run_job(tmp_path / "asked", *SMALL, f"data.path={tmp_path / 'd'}", "data.val_split=test")
+
+
+def test_images_as_bytes_or_paths_and_numbered_labels(sources, tmp_path) -> None:
+    import datasets
+
+    rows = _rows_of(sources)
+    files = sorted((sources / "folder").rglob("*.*"))
+    labels = [i % 12 for i in range(len(files))]  # 12 classes numbered 0 to 11
+    table = {"raw": [f.read_bytes() for f in files], "where": [str(f) for f in files],
+             "number": labels}
+    datasets.Dataset.from_dict(table).save_to_disk(str(tmp_path / "d"))
+    for column in ("raw", "where"):
+        job = run_job(tmp_path / column, *SMALL, f"data.path={tmp_path / 'd'}",
+                      f"data.image_column={column}", "data.label_column=number",
+                      "trainer.max_epochs=1")
+        assert "12 classes (0, 1, 2, 3, 4, 5, 6, 7 ... (12))" in job.output  # 2 before 10
+    assert len(rows) == len(files)
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    (["data.label_column=image"], "data.label_column=image: not a column of labels"),
+    (["data.image_column=label"], "data.image_column=label: not a column of images"),
+    (["data.builder=bogus"], "data.path="),
+])
+def test_columns_of_the_wrong_kind_are_one_line(sources, tmp_path, overrides, words) -> None:
+    with pytest.raises(UserError, match=words) as raised:
+        run_job(tmp_path / "run", *SMALL, f"data.path={sources / 'saved'}", *overrides)
+    assert "\n" not in str(raised.value) and len(str(raised.value)) < 400
+
+
+def test_a_validation_label_that_training_lacks_is_named(sources, tmp_path) -> None:
+    import datasets
+
+    rows = _rows_of(sources).map(lambda row: {"name": ["a", "b", "c"][row["label"]]})
+    rows = rows.remove_columns("label")
+    val = rows.select(range(4)).map(lambda row: {"name": "d"})
+    datasets.DatasetDict({"train": rows, "validation": val}).save_to_disk(str(tmp_path / "d"))
+    with pytest.raises(UserError, match="row 0 of split validation has the label 'd'"):
+        run_job(tmp_path / "run", *SMALL, f"data.path={tmp_path / 'd'}", "data.label_column=name")

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from app.data import ImageFolder
-from app.errors import UserError
+from app.data import ImageFolder, transforms
+from app.errors import DataItemError, UserError
 from conftest import HELPERS, assert_same_weights, load_state, read_metrics, run_job
 
 sys.path.insert(0, str(HELPERS))
@@ -34,13 +36,15 @@ def folder(tmp_path_factory):
 
 
 def _data(root, **options) -> ImageFolder:
-    return ImageFolder(root=str(root), **{"image_size": 16, **options})
+    data = ImageFolder(root=str(root), **{"image_size": 16, **options})
+    data.prepare()  # (what the loop does before training: the normalisation)
+    return data
 
 
 def test_the_folder_gives_classes_splits_and_shapes(folder) -> None:
     data = _data(folder, channels=1)
     assert data.classes == list(CLASSES) and data.num_classes == 3
-    assert (len(data.train), len(data.val)) == (29, 7)  # val_fraction 0.2 of 36
+    assert (len(data.train), len(data.val)) == (29, 7)  # about 0.2 of 36, by each file's hash
     assert data.input_shape == (1, 16, 16)
     x, y = data.val[0]
     assert x.shape == (1, 16, 16) and x.dtype == torch.float32 and 0 <= int(y) < 3
@@ -83,12 +87,47 @@ def test_the_cache_gives_exactly_the_same_samples(folder) -> None:
     assert torch.equal(plain.stats, cached.stats)
 
 
-def test_a_layout_with_train_and_val_folders(tmp_path) -> None:
+@pytest.mark.parametrize("val_name", ["val", "valid", "validation", "test"])
+def test_a_layout_with_train_and_val_folders(tmp_path, val_name) -> None:
     make_image_folder(tmp_path / "train", per_class=4)
-    make_image_folder(tmp_path / "val", per_class=2, seed=1, classes=CLASSES[1:])
+    make_image_folder(tmp_path / val_name, per_class=2, seed=1, classes=CLASSES[1:])
     data = _data(tmp_path)
     assert data.classes == list(CLASSES) and (len(data.train), len(data.val)) == (12, 4)
     assert sorted(set(data.val.labels.tolist())) == [1, 2]  # labelled by train/'s classes
+
+
+def test_a_train_folder_alone_gives_its_classes_and_a_drawn_share(tmp_path) -> None:
+    make_image_folder(tmp_path / "train", per_class=5)
+    data = _data(tmp_path)
+    assert data.classes == list(CLASSES) and (len(data.train), len(data.val)) == (12, 3)
+
+
+def test_adding_images_moves_none_of_the_others_between_the_splits(tmp_path) -> None:
+    make_image_folder(tmp_path / "shapes", per_class=20)
+    before = _data(tmp_path / "shapes")
+    make_image_folder(tmp_path / "more", per_class=2, seed=5)
+    for kind in CLASSES:  # two new images in each class
+        for path in (tmp_path / "more" / kind).iterdir():
+            shutil.copy(path, tmp_path / "shapes" / kind / f"new-{path.name}")
+    after = _data(tmp_path / "shapes")
+    old_val, new_val = set(before.val.files), set(after.val.files)
+    assert old_val <= new_val and all("new-" in f.name for f in new_val - old_val)
+    assert set(before.train.files) <= set(after.train.files)
+
+
+def test_images_are_decoded_as_a_viewer_shows_them(tmp_path) -> None:
+    deep = (np.arange(32 * 32).reshape(32, 32) * 64).astype(np.uint16)  # 16 bits: 0 to 65472
+    Image.fromarray(deep).save(tmp_path / "deep.png")
+    grey = np.asarray(transforms.decode(tmp_path / "deep.png", "L"), dtype=np.float64)
+    assert grey.min() == 0 and grey.max() >= 254 and 120 < grey.mean() < 135  # not all white
+    photo = Image.new("RGB", (60, 20), (200, 0, 0))
+    exif = photo.getexif()
+    exif[0x0112] = 6  # a camera held upright: rotate 90 degrees to show it
+    photo.save(tmp_path / "upright.jpg", exif=exif)
+    assert transforms.decode(tmp_path / "upright.jpg", "RGB").size == (20, 60)
+    strip = Image.new("RGB", (20000, 1), (10, 200, 30))  # cut out before it is resized
+    view = transforms.resize_and_crop(strip, (64, 64))
+    assert view.size == (64, 64) and np.asarray(view)[0, 0].tolist() == [10, 200, 30]
 
 
 @pytest.mark.parametrize(("make", "words"), [
@@ -112,17 +151,26 @@ def test_bad_options_are_named(folder) -> None:
                            ({"image_size": [8, 8, 8]}, "data.image_size"),
                            ({"crop_scale": [0.5, 0.2]}, "data.crop_scale"),
                            ({"mean": [0.5]}, "give both"),
-                           ({"mean": [0.5], "std": [1.0]}, "one value per channel"),
+                           ({"mean": [0.5], "std": [1.0]}, "3 finite number(s) (one per channel)"),
+                           ({"mean": [0.5, float("nan"), 0.5], "std": [1, 1, 1]}, "data.mean"),
+                           ({"augment": "off"}, "data.augment=off: expected true or false"),
+                           ({"flip": 1}, "data.flip=1: expected true or false"),
+                           ({"channels": True}, "data.channels=True"),
+                           ({"crop_scale": 0.5}, "data.crop_scale=0.5: expected a list"),
+                           ({"root": ""}, "data.root=: give the folder"),
+                           ({"val_fraction": "abc"}, "data.val_fraction=abc: expected a number"),
                            ({"bad_files": "ignore"}, "data.bad_files=ignore")):
-        with pytest.raises(UserError, match=words.replace("[", r"\[")):
-            _data(folder, **options)
+        with pytest.raises(UserError, match=re.escape(words)):
+            ImageFolder(**{"root": str(folder), "image_size": 16, **options})
 
 
 def test_an_unreadable_image_stops_the_run_naming_it_or_is_skipped_and_counted(tmp_path) -> None:
     root = tmp_path / "shapes"
     make_image_folder(root)
     bad = corrupt(root / "square" / "zz-broken.jpg")
-    with pytest.raises(UserError, match=f"{bad} is not a readable image.*data.bad_files=skip"):
+    # Met while the normalisation is computed (a training image) or while loading (either).
+    with pytest.raises((UserError, DataItemError),
+                       match=f"{bad} is not a readable image.*data.bad_files=skip"):
         run_job(tmp_path / "fails", "data=image_folder", f"data.root={root}", *SMALL)
     job = run_job(tmp_path / "skips", "data=image_folder", f"data.root={root}", *SMALL,
                   "data.bad_files=skip", "trainer.max_epochs=1")
@@ -169,8 +217,8 @@ def test_resume_is_exact_with_augmentation_and_two_loader_workers(folder, traine
 def test_the_checkpoint_keeps_the_classes_and_the_normalisation(folder, trained) -> None:
     state = load_state(trained / "checkpoints" / "last.pt")["data"]
     data = _data(folder)
-    assert state == {"classes": list(CLASSES), "mean": data.stats[0].tolist(),
-                     "std": data.stats[1].tolist()}
+    assert state == {"classes": list(CLASSES), "input_shape": [3, 16, 16],
+                     "mean": data.stats[0].tolist(), "std": data.stats[1].tolist()}
 
 
 def _rows(run_dir) -> list[dict[str, str]]:
@@ -200,9 +248,20 @@ def test_every_mode_reads_the_folder_as_training_did(folder, trained, tmp_path) 
     assert [Path(r["input"]).stem for r in by_file] == [f"{i:02d}" for i in range(7)]
     assert {r["pred_class"] for r in by_file} <= set(CLASSES) and by_file[0]["label_class"] == ""
     assert by_split[0]["label_class"] == CLASSES[int(by_split[0]["label"])]
+    assert by_split[0]["input"] == str(_data(folder).val.files[0])  # the file, not val[0]
     exported = run_job(tmp_path / "export", *common, "trainer=export")
     check = json.loads((exported.run_dir / "export" / "check.json").read_text())
     assert max(check["max_abs_diff"].values()) <= check["tolerance"]
+    meta = json.loads((exported.run_dir / "export" / "model.json").read_text())
+    assert meta["classes"] == list(CLASSES) and meta["input_shape"] == [3, 16, 16]
+    assert meta["data"]["mean"] == load_state(best)["data"]["mean"]  # to preprocess inputs
+    # One image, named; a hidden file in a folder is left out, as training does.
+    first = next(files.glob("00.*"))
+    one = run_job(tmp_path / "one", *common, "trainer=predict", f"predict.input={first}")
+    assert _rows(one.run_dir)[0]["pred"] == by_split[0]["pred"]
+    corrupt(files / ".hidden.png")
+    assert len(_rows(run_job(tmp_path / "hidden", *common, "trainer=predict",
+                             f"predict.input={files}").run_dir)) == 7
     for picture in (predicted.run_dir / "predictions.png",
                     trained / "eval_visuals" / "step-00000012.png"):
         with Image.open(picture) as image:
@@ -211,13 +270,24 @@ def test_every_mode_reads_the_folder_as_training_did(folder, trained, tmp_path) 
             assert any(f"true {name}" in image.text["Description"] for name in CLASSES)
 
 
-def test_a_checkpoint_of_other_classes_is_refused(folder, trained, tmp_path) -> None:
-    other = tmp_path / "other"
-    shutil.copytree(folder, other)
-    (other / "stripes").rename(other / "zebra")
-    with pytest.raises(UserError, match="the checkpoint was trained on circle, square, stripes"):
-        run_job(tmp_path / "eval", "data=image_folder", f"data.root={other}", *SMALL,
-                "trainer=eval", f"ckpt={trained / 'checkpoints' / 'best.pt'}")
+def test_a_checkpoint_of_other_classes_or_image_size_is_refused(folder, trained,
+                                                                 tmp_path) -> None:
+    renamed, fewer = tmp_path / "renamed", tmp_path / "fewer"
+    shutil.copytree(folder, renamed)
+    (renamed / "stripes").rename(renamed / "zebra")
+    shutil.copytree(folder, fewer)
+    shutil.rmtree(fewer / "stripes")
+    ckpt = f"ckpt={trained / 'checkpoints' / 'best.pt'}"
+    for root in (renamed, fewer):  # (fewer: the classes are named, not the head's shape)
+        with pytest.raises(UserError, match="the checkpoint was trained on circle, square, "
+                                            "stripes"):
+            run_job(tmp_path / "eval", "data=image_folder", f"data.root={root}", *SMALL,
+                    "trainer=eval", ckpt)
+    with pytest.raises(UserError, match=re.escape(
+            "trained on 3x16x16 images, the data gives 3x24x24: use data.channels=3 "
+            "data.image_size=[16,16]")):
+        run_job(tmp_path / "export", "data=image_folder", f"data.root={folder}", *SMALL,
+                "data.image_size=24", "trainer=export", ckpt)
 
 
 def test_two_devices_train_on_the_folder(folder, tmp_path) -> None:

@@ -156,8 +156,9 @@ def load_for_inference(model: torch.nn.Module, data: DataModule, path: str | Pat
     when the run kept one), and `data` what it learnt in that training (so inputs are seen as
     training saw them); returns where in its training the checkpoint was written."""
     state = load(path)
+    data.load_state_dict(state.get("data") or {})  # first: other classes are named as such
+    data.prepare()  # (what a checkpoint without the data's state leaves to learn)
     load_model_weights(model, state, path, weights=inference_weights(state))
-    data.load_state_dict(state.get("data") or {})
     return trained_at(state)
 
 

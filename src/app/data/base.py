@@ -59,6 +59,11 @@ class DataModule:
         self.val = _shared(self.val)
         log.info("cached %d + %d samples in shared memory", len(self.train), len(self.val))
 
+    def prepare(self) -> None:
+        """Learn from the training set what `state_dict` keeps (a normalisation, say): called
+        before training, and by evaluation, prediction and export after the checkpoint's
+        state was loaded (which then leaves nothing to learn)."""
+
     def state_dict(self) -> dict[str, Any]:
         """What the data learnt from the training set (a normalisation, say): kept in every
         checkpoint, so evaluation, prediction and export see inputs as training did."""

@@ -1,13 +1,22 @@
 """`data=image_folder`: your own images, one sub-folder per class (the ImageFolder layout).
 
     ROOT/CLASS/IMAGE.jpg                          a validation share drawn by split_seed
-    ROOT/train/CLASS/...  and  ROOT/val/CLASS/... or the split you made
+    ROOT/train/CLASS/...  and  ROOT/val/CLASS/... or the split you made (val/ may also be
+                                                  valid/, validation/ or test/)
+
+The drawn share keys on each file's path (a hash with split_seed), not on how many files
+there are: adding images to the folder moves none of the others between the splits (so a
+resumed run or an evaluation after you added photos never sees a former training image as a
+validation one). The share is val_fraction on average, not exactly.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from pathlib import Path
+from typing import Any
 
 from PIL import Image
 
@@ -19,6 +28,7 @@ from app.errors import BadImage, UserError
 log = logging.getLogger(__name__)
 
 BAD_FILES = ("fail", "skip")
+VAL_FOLDERS = ("val", "valid", "validation", "test")  # beside train/, looked for in this order
 Files = tuple[list[Path], list[int]]
 
 
@@ -30,7 +40,11 @@ class FolderImages(ImageSet):
         self.files = files
 
     def load(self, index: int) -> Image.Image:
-        return transforms.decode(self.files[index], self.mode)
+        try:
+            return transforms.decode(self.files[index], self.mode)
+        except BadImage as e:  # (met while training: say what helps)
+            raise BadImage(f"{e}; remove or replace it, or skip unreadable images with "
+                           f"data.bad_files=skip") from None
 
 
 class ImageFolder(ImageData):
@@ -47,10 +61,13 @@ class ImageFolder(ImageData):
         super().__init__(**options)
         if bad_files not in BAD_FILES:
             raise UserError(f"data.bad_files={bad_files}: one of {', '.join(BAD_FILES)}")
+        if not isinstance(root, str) or not root.strip():
+            raise UserError(f"data.root={root}: give the folder of your images")
+        if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float):
+            raise UserError(f"data.val_fraction={val_fraction}: expected a number")
         self.root = Path(root).expanduser()
-        classes, train, val = _find(self.root, val_fraction, self.split_seed)
-        if bad_files == "skip":
-            train, val = _readable(train, self.mode), _readable(val, self.mode)
+        readable = (lambda files: _readable(files, self.mode)) if bad_files == "skip" else None
+        classes, train, val = _find(self.root, val_fraction, self.split_seed, readable)
         self.use(classes, FolderImages(*train, self.mode), FolderImages(*val, self.mode),
                  f"data.root={self.root}")
 
@@ -60,8 +77,14 @@ def _class_folders(folder: Path) -> list[str]:
 
 
 def _images(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES
-                  and p.is_file() and not p.name.startswith("."))
+    """The image files under `folder`, in sub-folders too (linked ones followed), hidden
+    files and folders left out."""
+    found = []
+    for parent, dirs, names in os.walk(folder, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [Path(parent, n) for n in names
+                  if Path(n).suffix.lower() in IMAGE_SUFFIXES and not n.startswith(".")]
+    return sorted(found)
 
 
 def _labelled(folder: Path, classes: list[str], labels_of: list[str]) -> Files:
@@ -78,27 +101,51 @@ def _labelled(folder: Path, classes: list[str], labels_of: list[str]) -> Files:
     return files, labels
 
 
-def _find(root: Path, val_fraction: float, split_seed: int) -> tuple[list[str], Files, Files]:
-    """The classes, and the (files, labels) of training and of validation."""
+def _find(root: Path, val_fraction: float, split_seed: int, readable: Any = None
+          ) -> tuple[list[str], Files, Files]:
+    """The classes, and the (files, labels) of training and of validation; with `readable`,
+    the files it keeps (before the split is drawn: it shares out readable images only)."""
+    readable = readable or (lambda files: files)
     if not root.is_dir():
         raise UserError(f"data.root={root}: no such folder (one sub-folder per class, each "
                         f"holding its images)")
-    if (root / "train").is_dir() and (root / "val").is_dir():
+    val_dir = next((root / n for n in VAL_FOLDERS if (root / n).is_dir()), None)
+    if (root / "train").is_dir() and val_dir is not None:
         classes = _class_folders(root / "train")
         _enough(root / "train", classes)
-        val_classes = _class_folders(root / "val")
+        val_classes = _class_folders(val_dir)
         extra = sorted(set(val_classes) - set(classes))
         if extra:
-            raise UserError(f"data.root={root}: val/ has classes that train/ has not: "
-                            f"{', '.join(extra)}")
-        return (classes, _labelled(root / "train", classes, classes),
-                _labelled(root / "val", val_classes, classes))
+            raise UserError(f"data.root={root}: {val_dir.name}/ has classes that train/ has "
+                            f"not: {', '.join(extra)}")
+        return (classes, readable(_labelled(root / "train", classes, classes)),
+                readable(_labelled(val_dir, val_classes, classes)))
+    if (root / "train").is_dir():  # a training folder alone: its share is drawn
+        root = root / "train"
     classes = _class_folders(root)
     _enough(root, classes)
-    files, labels = _labelled(root, classes, classes)
-    train_idx, val_idx = split(len(files), val_fraction, split_seed)
+    files, labels = readable(_labelled(root, classes, classes))
+    train_idx, val_idx = split_by_name([str(f.relative_to(root)) for f in files], val_fraction,
+                                       split_seed)
     return (classes, ([files[i] for i in train_idx], [labels[i] for i in train_idx]),
             ([files[i] for i in val_idx], [labels[i] for i in val_idx]))
+
+
+def split_by_name(names: list[str], val_fraction: float, split_seed: int
+                  ) -> tuple[list[int], list[int]]:
+    """Train and validation indices: a name goes to validation when its hash (with
+    `split_seed`), read as a fraction, is below `val_fraction`. Its side depends on nothing
+    else, so adding files moves none of the others. Where that leaves a split empty (a few
+    images), the `val_fraction` share of the smallest hashes goes instead."""
+    split(len(names), val_fraction, split_seed)  # (its checks: a sample in each split)
+    keys = [int.from_bytes(hashlib.sha256(f"{split_seed}/{n}".encode()).digest()[:8], "big")
+            / 2**64 for n in names]
+    val = [i for i, key in enumerate(keys) if key < val_fraction]
+    if not 0 < len(val) < len(names):
+        count = len(split(len(names), val_fraction, split_seed)[1])
+        val = sorted(sorted(range(len(names)), key=keys.__getitem__)[:count])
+    taken = set(val)
+    return [i for i in range(len(names)) if i not in taken], val
 
 
 def _enough(folder: Path, classes: list[str]) -> None:

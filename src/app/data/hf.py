@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +36,22 @@ class HFRows(ImageSet):
 
     def load(self, index: int) -> Image.Image:
         value = self.rows[index][self.column]
+        name = f"row {index} of column {self.column!r}"
         if isinstance(value, Image.Image):
-            return value.convert(self.mode)
+            return transforms.as_mode(value, self.mode)
         data, path = (value.get("bytes"), value.get("path")) if isinstance(value, dict) else (
-            None, None)
-        try:
-            with Image.open(io.BytesIO(data) if data else path) as image:
-                return image.convert(self.mode)
-        except (*transforms.DECODE_ERRORS, TypeError) as e:
-            raise BadImage(f"row {index} of column {self.column!r} ({path or 'bytes'}) is not "
-                           f"a readable image ({str(e).strip() or type(e).__name__})") from None
+            value if isinstance(value, bytes) else None, value if isinstance(value, str) else None)
+        if not data and not path:
+            raise BadImage(f"{name} holds no image ({type(value).__name__})")
+        return transforms.decode(io.BytesIO(data) if data else Path(path), self.mode,
+                                 name=f"{name} ({path or 'bytes'})")
 
 
 def _datasets() -> Any:
+    # Local files only: a builder name or path that is not on disk must not send datasets to
+    # the Hub (read when datasets is imported; a user who set them keeps theirs).
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import datasets
     except ImportError:
@@ -68,7 +72,8 @@ def _load(path: Path, builder: str | None) -> Any:
         if builder is None:
             return datasets.load_dataset(str(path))
         return datasets.load_dataset(builder, data_dir=str(path))
-    except (FileNotFoundError, ValueError, datasets.exceptions.DatasetGenerationError) as e:
+    except (FileNotFoundError, ValueError, ConnectionError, RuntimeError,
+            datasets.exceptions.DatasetGenerationError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"data.path={path}: not a data set datasets can read ({reason})"
                         ) from None
@@ -102,28 +107,63 @@ class HFImages(ImageData):
         if val_split is not None and val_split not in splits:
             raise UserError(f"data.val_split={val_split}: {self.path} has the splits "
                             f"{', '.join(splits)}")
-        val_split = val_split or next((s for s in VAL_SPLITS if s in splits), None)
         datasets = _datasets()
-        undecoded = datasets.Image(decode=False)
-        if isinstance(train.features[image_column], datasets.Image):
+        features = train.features
+        if not isinstance(features[image_column], datasets.Image | datasets.Value) or (
+                isinstance(features[image_column], datasets.Value)
+                and features[image_column].dtype not in ("binary", "large_binary", "string")):
+            raise UserError(f"data.image_column={image_column}: not a column of images "
+                            f"({features[image_column]})")
+        if isinstance(features[image_column], datasets.Image):
+            undecoded = datasets.Image(decode=False)
             splits = {k: v.cast_column(image_column, undecoded) for k, v in splits.items()}
-        classes, to_label = _classes(train.features[label_column], train[label_column])
+        classes, to_label = _classes(features[label_column], train[label_column], label_column)
+        if val_split is None:  # the first named like a validation split that has labels
+            val_split = next((s for s in VAL_SPLITS if s in splits
+                              and not _unlabelled(splits[s][label_column])), None)
         if val_split is None:
             train_idx, val_idx = split(len(train), val_fraction, self.split_seed)
             rows = splits[train_split]
             parts = (rows.select(train_idx.tolist()), rows.select(val_idx.tolist()))
+            names = (train_split, train_split)
         else:
-            parts = (splits[train_split], splits[val_split])
-        sets = [HFRows(rows, image_column, [to_label(v) for v in rows[label_column]], self.mode)
-                for rows in parts]
+            parts, names = (splits[train_split], splits[val_split]), (train_split, val_split)
+        sets = [HFRows(rows, image_column, _labels(rows[label_column], to_label, name,
+                                                   label_column), self.mode)
+                for rows, name in zip(parts, names, strict=True)]
         self.use(classes, sets[0], sets[1], f"data.path={self.path}")
 
 
-def _classes(feature: Any, values: list[Any]) -> tuple[list[str], Any]:
-    """The class names and a function from a label value to its index."""
+def _unlabelled(values: list[Any]) -> bool:
+    """A split without labels: every value -1 (the Hub's convention for a test split) or
+    missing."""
+    return all(v is None or v == -1 for v in values)
+
+
+def _labels(values: list[Any], to_label: Any, split_name: str, column: str) -> list[int]:
+    labels = []
+    for i, value in enumerate(values):
+        try:
+            label = to_label(value)
+        except (KeyError, ValueError, TypeError):
+            label = None
+        if label is None:
+            raise UserError(f"data.label_column={column}: row {i} of split {split_name} has "
+                            f"the label {str(value)[:40]!r}, which is none of the training "
+                            f"split's classes")
+        labels.append(label)
+    return labels
+
+
+def _classes(feature: Any, values: list[Any], column: str) -> tuple[list[str], Any]:
+    """The class names and a function from a label value to its index (None: not a class)."""
     names = getattr(feature, "names", None)  # a ClassLabel column
     if names:
-        return list(names), int
-    found = sorted({str(v) for v in values})
-    index = {name: i for i, name in enumerate(found)}
-    return found, lambda value: index[str(value)]
+        return list(names), lambda value: value if 0 <= value < len(names) else None
+    kinds = {type(v) for v in values}
+    if not kinds <= {int, str} or not values:
+        raise UserError(f"data.label_column={column}: not a column of labels (class indices "
+                        f"or names), it holds {', '.join(sorted(k.__name__ for k in kinds))}")
+    found = sorted(set(values), key=lambda v: (isinstance(v, str), v))  # 2 before 10
+    index = {value: i for i, value in enumerate(found)}
+    return [str(v) for v in found], index.get

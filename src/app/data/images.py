@@ -9,6 +9,7 @@ as training did).
 from __future__ import annotations
 
 import logging
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from torch.utils.data import Dataset
 from app.checks import seed_value, widths
 from app.data import transforms
 from app.data.base import DataModule, sample_seed
-from app.errors import BadImage, UserError
+from app.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +102,14 @@ class ImageData(DataModule):
                  flip: bool = True, split_seed: int = 0, **loader) -> None:
         super().__init__(**loader)
         self.split_seed = seed_value("data.split_seed", split_seed)
-        if channels not in (1, 3):
+        if isinstance(channels, bool) or channels not in (1, 3):
             raise UserError(f"data.channels={channels}: 1 (grey) or 3 (RGB)")
         size = widths("data.image_size", [image_size] * 2 if isinstance(image_size, int)
                       and not isinstance(image_size, bool) else image_size)
         if len(size) != 2:
             raise UserError(f"data.image_size={image_size}: one size, or [height, width]")
-        scale = tuple(float(s) for s in crop_scale)
-        if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
+        scale = numbers("data.crop_scale", crop_scale, 2)
+        if not 0 < scale[0] <= scale[1] <= 1:
             raise UserError(f"data.crop_scale={list(crop_scale)}: [low, high] with "
                             f"0 < low <= high <= 1 (shares of the image's area)")
         if (mean is None) != (std is None):
@@ -118,24 +119,34 @@ class ImageData(DataModule):
         self.input_shape = (channels, size[0], size[1])
         self.stats = torch.zeros(2, channels).share_memory_()  # mean, std per channel
         self._given = None if mean is None else _given(mean, std, channels)
-        self._augment = {"scale": scale, "flip": flip} if augment else None
+        augment, flip = switch("data.augment", augment), switch("data.flip", flip)
+        self._augment = {"scale": tuple(scale), "flip": flip} if augment else None
         self.classes: list[str] = []
+        self._normalised = False  # by `prepare`, or by a checkpoint (`load_state_dict`)
 
     def use(self, classes: list[str], train: ImageSet, val: ImageSet, where: str) -> None:
-        """Take the two sets (of `classes`, found `where`) and set their normalisation."""
+        """Take the two sets (of `classes`, found `where`)."""
         self.classes, self.num_classes = list(classes), len(classes)
         for images, augment in ((train, self._augment), (val, None)):
             images.size, images.stats, images.augment = self.input_shape[1:], self.stats, augment
-        self.train, self.val = train, val
-        if self.cache:  # decoded once, for the statistics too
-            self.cache_in_memory()
+        self.train, self.val, self.where = train, val, where
+        log.info("%s: %d classes (%s), %d training and %d validation images", where,
+                 self.num_classes, _listed(self.classes), len(train), len(val))
+
+    def prepare(self) -> None:
+        """The normalisation: given, or computed from the training images (once: a checkpoint
+        that holds one, `load_state_dict`, makes this a no-op)."""
+        if self._normalised:
+            return
+        self._normalised = True
         if self._given is not None:
             self.stats[:] = self._given
             return
-        self.stats[:] = _statistics(train, self.split_seed)
-        log.info("%s: %d classes, %d training and %d validation images; normalised by the "
-                 "training images' mean %s and std %s", where, self.num_classes, len(train),
-                 len(val), _rounded(self.stats[0]), _rounded(self.stats[1]))
+        if self.cache:  # decoded once, for the statistics too
+            self.cache_in_memory()
+        self.stats[:] = _statistics(self.train, self.split_seed)
+        log.info("%s: normalised by the training images' mean %s and std %s", self.where,
+                 _rounded(self.stats[0]), _rounded(self.stats[1]))
 
     def set_epoch(self, epoch: int, seed: int) -> None:
         self.train.key[0], self.train.key[1] = seed, epoch
@@ -150,8 +161,8 @@ class ImageData(DataModule):
                  len(self.val), size / 1e6)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"classes": list(self.classes), "mean": self.stats[0].tolist(),
-                "std": self.stats[1].tolist()}
+        return {"classes": list(self.classes), "input_shape": list(self.input_shape),
+                "mean": self.stats[0].tolist(), "std": self.stats[1].tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -160,8 +171,15 @@ class ImageData(DataModule):
             raise UserError(
                 f"the data has the classes {_listed(self.classes)}, the checkpoint was trained "
                 f"on {_listed(state['classes'])}: its labels would mean other classes here")
+        shape = state.get("input_shape")
+        if shape is not None and tuple(shape) != self.input_shape:
+            raise UserError(
+                f"the checkpoint was trained on {'x'.join(map(str, shape))} images, the data "
+                f"gives {'x'.join(map(str, self.input_shape))}: use data.channels={shape[0]} "
+                f"data.image_size=[{shape[1]},{shape[2]}]")
         self.stats[0] = torch.tensor(state["mean"])
         self.stats[1] = torch.tensor(state["std"])
+        self._normalised = True
 
     def decode_file(self, path: Path) -> torch.Tensor:
         image = transforms.resize_and_crop(transforms.decode(path, self.mode),
@@ -170,6 +188,24 @@ class ImageData(DataModule):
 
     def show(self, inputs: torch.Tensor) -> torch.Tensor:
         return (inputs * self.stats[1][:, None, None] + self.stats[0][:, None, None]).clamp(0, 1)
+
+
+def switch(key: str, value: Any) -> bool:
+    """`value` as true or false (Hydra passes `off` or `no` on as strings, which are truthy)."""
+    if not isinstance(value, bool):
+        raise UserError(f"{key}={value}: expected true or false")
+    return value
+
+
+def numbers(key: str, value: Any, count: int) -> list[float]:
+    """`value` as a list of `count` finite numbers."""
+    items = None if isinstance(value, str) or not hasattr(value, "__len__") else list(value)
+    if items is None or len(items) != count or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            for v in items):
+        raise UserError(f"{key}={value}: expected a list of {count} finite number(s)"
+                        + (" (one per channel)" if key in ("data.mean", "data.std") else ""))
+    return [float(v) for v in items]
 
 
 def _listed(classes: list[str]) -> str:
@@ -188,13 +224,9 @@ def _statistics(images: ImageSet, seed: int) -> torch.Tensor:
         chosen = sorted(random.Random(seed).sample(range(len(images)), STATS_SAMPLES))
     total = torch.zeros(2, images.stats.shape[1], dtype=torch.float64)
     count = 0
-    for index in chosen:
-        try:
-            image = images.image(index)
-        except BadImage as e:
-            raise UserError(f"{e}; remove or replace it, or skip unreadable images with "
-                            f"data.bad_files=skip") from None
-        x = transforms.to_tensor(transforms.resize_and_crop(image, images.size)).double()
+    for index in chosen:  # (an unreadable image raises BadImage, naming it)
+        x = transforms.to_tensor(transforms.resize_and_crop(images.image(index),
+                                                            images.size)).double()
         total[0] += x.sum((1, 2))
         total[1] += (x * x).sum((1, 2))
         count += x[0].numel()
@@ -204,11 +236,8 @@ def _statistics(images: ImageSet, seed: int) -> torch.Tensor:
     return torch.stack([mean, std]).float()
 
 
-def _given(mean: list[float], std: list[float], channels: int) -> torch.Tensor:
-    mean, std = list(mean), list(std)
-    if len(mean) != channels or len(std) != channels:
-        raise UserError(f"data.mean={mean}, data.std={std}: one value per channel "
-                        f"(data.channels={channels})")
+def _given(mean: Any, std: Any, channels: int) -> torch.Tensor:
+    mean, std = numbers("data.mean", mean, channels), numbers("data.std", std, channels)
     if min(std) <= 0:
         raise UserError(f"data.std={std}: every value must be positive")
     return torch.tensor([mean, std], dtype=torch.float32)

@@ -54,6 +54,12 @@ def run_export(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     write_text_atomically(out_dir / "check.json", json.dumps(
         {"batch_size": len(check), "tolerance": cfg.export.tolerance,
          "max_abs_diff": diffs}, indent=2) + "\n")
+    # What a deployment needs besides the model: the input it takes and what outputs mean.
+    write_text_atomically(out_dir / "model.json", json.dumps(
+        {"input_shape": list(data.input_shape), "num_classes": data.num_classes,
+         "classes": data.classes, "data": {"_target_": cfg.data["_target_"],
+                                           **data.state_dict()},
+         "ckpt": str(cfg.ckpt)}, indent=2) + "\n")
     bad = {k: v for k, v in diffs.items() if not v <= cfg.export.tolerance}
     if bad:
         raise ExportMismatch(

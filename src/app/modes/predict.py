@@ -53,21 +53,26 @@ def _from_npy(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _from_folder(path: Path, data: DataModule) -> tuple[torch.Tensor, list[str]]:
-    """Every image of the folder, seen as the data set's validation images are seen."""
-    files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    """Every image of the folder, seen as the data set sees its validation images."""
+    files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES
+                   and p.is_file() and not p.name.startswith("."))  # (as training skips them)
     if not files:
         raise UserError(f"predict.input={path}: no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return _decoded(files, data, path), [str(f) for f in files]
+
+
+def _decoded(files: list[Path], data: DataModule, source: Path) -> torch.Tensor:
     inputs = []
     for file in files:
         try:
             inputs.append(data.decode_file(file))
         except BadImage as e:
-            raise UserError(f"predict.input={path}: {e}; remove or replace it") from None
+            raise UserError(f"predict.input={source}: {e}; remove or replace it") from None
         except DECODE_ERRORS as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"predict.input={path}: {file.name} is not a readable image "
+            raise UserError(f"predict.input={source}: {file.name} is not a readable image "
                             f"({reason}); remove or replace it") from None
-    return torch.stack(inputs), [str(f) for f in files]
+    return torch.stack(inputs)
 
 
 def _validation_split(data: DataModule) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,15 +88,19 @@ def load_inputs(
     """(inputs, labels or None, a name for each input)."""
     if source is None:
         x, y = _validation_split(data)
-        return x, y, [f"val[{i}]" for i in range(len(y))]
+        files = getattr(data.val, "files", None)  # (an image folder's: name the file)
+        return x, y, [str(f) for f in files] if files else [f"val[{i}]" for i in range(len(y))]
     path = Path(source)
     if path.is_dir():
         x, names = _from_folder(path, data)
         return x, None, names
+    if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
+        return _decoded([path], data, path), None, [str(path)]
     if path.is_file() and path.suffix == ".npy":
         x = _from_npy(path, data.input_shape)
         return x, None, [f"{path.name}[{i}]" for i in range(len(x))]
-    raise UserError(f"predict.input={source}: expected a folder of images or a .npy file")
+    raise UserError(f"predict.input={source}: expected a folder of images, an image or a .npy "
+                    f"file")
 
 
 @torch.no_grad()

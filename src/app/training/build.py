@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from app import dist
 from app.checkpoint import manager
-from app.config import AppConfig
+from app.config import AppConfig, Mode
 from app.data import DataModule
 from app.errors import UserError
 from app.training.data_errors import NamedItems, no_async_worker_errors
@@ -45,6 +45,8 @@ def build_data(cfg: AppConfig) -> DataModule:
                         f"at least one sample (data.val_fraction, or the data set's own split)")
     if data.cache:
         data.cache_in_memory()
+    if cfg.trainer.mode == Mode.trainval:  # (the other modes take it from their checkpoint)
+        data.prepare()
     return data
 
 
