@@ -25,6 +25,10 @@ def sources(tmp_path_factory):
     """The same 36 images as an image folder, a save_to_disk folder and a parquet file."""
     base = tmp_path_factory.mktemp("hf")
     os.environ.setdefault("HF_HOME", str(base / "hf-home"))  # (its cache, not the user's)
+    # Offline, as app.data.hf sets it before datasets is imported (here the tests import it
+    # first): without it, a builder that is not on disk waits for the Hub.
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import datasets
 
     make_image_folder(base / "folder")
