@@ -56,13 +56,18 @@ class ImageSet(Dataset):
 
     def __init__(self, labels: list[int], mode: str) -> None:
         self.labels = torch.tensor(labels, dtype=torch.int64)
+        self._labels = [int(label) for label in labels]  # (an int a sample: cheaper to batch)
         self.mode = mode
         self.key = torch.zeros(2, dtype=torch.int64).share_memory_()  # seed, epoch
         self.decoded: Decoded | None = None
-        # Set by ImageData: the view's size, the normalisation, the augmentation (or None).
-        self.size: tuple[int, int] = (0, 0)
-        self.stats = torch.zeros(0)
-        self.augment: dict[str, Any] | None = None
+        self.view((0, 0), torch.zeros(2, 1), None)  # (ImageData sets them)
+
+    def view(self, size: tuple[int, int], stats: torch.Tensor,
+             augment: dict[str, Any] | None) -> None:
+        """The view's size, the normalisation (mean and std, a tensor updated in place) and
+        the augmentation (None: the evaluation view)."""
+        self.size, self.stats, self.augment = size, stats, augment
+        self._mean, self._std = stats[0][:, None, None], stats[1][:, None, None]  # (views)
 
     def load(self, index: int) -> Image.Image:
         raise NotImplementedError
@@ -84,8 +89,7 @@ class ImageSet(Dataset):
             seed, epoch = self.key.tolist()
             rng = random.Random(sample_seed(seed, epoch, index))
             image = transforms.random_resized_crop(image, self.size, rng=rng, **self.augment)
-        x = transforms.to_tensor(image)
-        return transforms.normalize(x, self.stats[0], self.stats[1]), self.labels[index]
+        return transforms.to_tensor(image).sub_(self._mean).div_(self._std), self._labels[index]
 
 
 class ImageData(DataModule):
@@ -127,8 +131,8 @@ class ImageData(DataModule):
     def use(self, classes: list[str], train: ImageSet, val: ImageSet, where: str) -> None:
         """Take the two sets (of `classes`, found `where`)."""
         self.classes, self.num_classes = list(classes), len(classes)
-        for images, augment in ((train, self._augment), (val, None)):
-            images.size, images.stats, images.augment = self.input_shape[1:], self.stats, augment
+        train.view(self.input_shape[1:], self.stats, self._augment)
+        val.view(self.input_shape[1:], self.stats, None)
         self.train, self.val, self.where = train, val, where
         log.info("%s: %d classes (%s), %d training and %d validation images", where,
                  self.num_classes, _listed(self.classes), len(train), len(val))
