@@ -274,6 +274,10 @@ def check_summary(sweep: Path, num_jobs: int, completed_only: bool = False
 # so one long file does not set the suite's end. (The Slurm tests run side by side: the
 # cluster's nodes have room for several of their small jobs at once.)
 ONE_WORKER = ("test_resume.py", "test_checkpoint_faults.py")
+# The files of the longest tests (Slurm jobs, signals, timeouts, DDP runs) are handed out
+# first, so that the workers end together instead of one finishing a long test alone.
+LONG_FIRST = ("test_slurm.py", "test_failfast.py", "test_resume.py", "test_ddp.py",
+              "test_watchdog.py", "test_sweeps.py", "test_features.py", "test_reliability.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
@@ -281,6 +285,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in ONE_WORKER:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # (stable)
 
 
 @pytest.fixture(scope="session")

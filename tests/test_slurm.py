@@ -144,15 +144,16 @@ def test_preempted_job_requeues_and_finishes_bit_identical(tmp_path) -> None:
     overrides = ["devices=2", *TINY, "trainer.max_epochs=8", "trainer.ckpt_every_n_epochs=null"]
     sweep = tmp_path / "preempted"
     proc = submit_in_background(sweep, *overrides)
-    # The same training uninterrupted, its two ranks spawned here (ranks compute the same
-    # whoever starts them), while the job starts.
-    reference = run_job(tmp_path / "reference", *overrides).run_dir
     metrics = sweep / "0" / "metrics.csv"
     _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) > 40, 300,
               "training to start")
     (job,) = job_ids(sweep)
     # What Slurm sends before a time limit (--signal=USR2@...), or a preemption through submitit.
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    # The same training uninterrupted, its two ranks spawned here (ranks compute the same
+    # whoever starts them), while the job requeues (after the signal: before it, the job
+    # could finish while this ran).
+    reference = run_job(tmp_path / "reference", *overrides).run_dir
     _wait_for(lambda: job_field(job, "Restarts") == "1"
               and job_field(job, "JobState") == "PENDING", 120, "the job to requeue itself")
 
