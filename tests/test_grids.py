@@ -57,3 +57,16 @@ def test_a_colour_grid_keeps_its_colours_and_its_size(tmp_path) -> None:
     assert image.size == (3 * CELL[0], CELL[1] + TITLE_H)
     assert image.text["Description"] == "pred 0; pred 1; pred 2"
     assert _has(_cell(image, 2, 3), (0, 0, 255))
+
+
+def test_class_names_label_the_cells_and_a_long_one_stays_in_its_cell(tmp_path) -> None:
+    classes = ["a_class_name_far_too_long_for_one_cell_of_the_grid", "b"]
+    path = tmp_path / "grid.png"
+    save_grid(torch.rand(2, 3, 4, 4), [0, 1], [0, 0], "names", path, classes=classes)
+    image = _open(path)
+    assert image.text["Description"] == f"pred {classes[0]} / true {classes[0]}; " \
+                                        f"pred b / true {classes[0]}"  # whole, for tools
+    band = np.asarray(image.convert("RGB"))[TITLE_H:TITLE_H + LABEL_H]
+    inked = np.argwhere((band != 255).any(axis=-1))[:, 1]
+    first = inked[inked < CELL[0]]
+    assert first.min() > 0 and first.max() < CELL[0] - 1  # the label ends inside its cell

@@ -34,6 +34,16 @@ def _pixels(image: torch.Tensor) -> Image.Image:
     return Image.fromarray(np.round(255 * rgb).astype(np.uint8), mode="RGB")
 
 
+def _fitted(text: str, font: ImageFont.ImageFont, width: float) -> str:
+    """`text`, shortened with an ellipsis to fit `width` pixels (a long class name would run
+    into the next cell); the PNG's Description keeps it whole."""
+    if font.getlength(text) <= width:
+        return text
+    while text and font.getlength(text + "...") > width:
+        text = text[:-1]
+    return text + "..."
+
+
 def save_grid(
     images: torch.Tensor, preds: list[int], labels: list[int] | None, title: str, path: Path,
     classes: list[str] | None = None,
@@ -57,8 +67,8 @@ def save_grid(
         cell = f"pred {name(preds[i])}" + ("" if labels is None else f" / true {name(labels[i])}")
         cells.append(cell)
         color = "black" if labels is None else GREEN if preds[i] == labels[i] else RED
-        draw.text((left + CELL[0] / 2, top + LABEL_H / 2 - 4), cell, fill=color, anchor="mm",
-                  font=font)
+        draw.text((left + CELL[0] / 2, top + LABEL_H / 2 - 4), _fitted(cell, font, CELL[0] - 8),
+                  fill=color, anchor="mm", font=font)
         shown = _pixels(images[i])
         room_w, room_h = CELL[0] - 16, CELL[1] - LABEL_H - 12
         scale = min(room_w / shown.width, room_h / shown.height)
