@@ -201,8 +201,8 @@ def test_predict_inputs_that_cannot_be_read_name_the_file(tmp_path) -> None:
     from app.modes.predict import load_inputs
 
     for case, (path, words) in _corrupt_inputs(tmp_path).items():
-        with pytest.raises(UserError) as err:
-            load_inputs(str(path), _Digits())
+        with pytest.raises(UserError) as err:  # (images are decoded batch by batch)
+            list(load_inputs(str(path), _Digits()).batches(8))
         message = str(err.value)
         assert words in message and f"predict.input={path}" in message, (case, message)
         assert "\n" not in message, (case, message)

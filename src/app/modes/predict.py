@@ -11,6 +11,8 @@ from __future__ import annotations
 import csv
 import io
 import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,16 +54,28 @@ def _from_npy(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(array.astype(np.float32))
 
 
-def _from_folder(path: Path, data: DataModule) -> tuple[torch.Tensor, list[str]]:
-    """Every image of the folder, seen as the data set sees its validation images."""
-    files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES
-                   and p.is_file() and not p.name.startswith("."))  # (as training skips them)
-    if not files:
-        raise UserError(f"predict.input={path}: no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    return _decoded(files, data, path), [str(f) for f in files]
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor | None]]  # inputs, labels or None
+
+
+@dataclass
+class Inputs:
+    """What to predict: a name for each input, and its batches (decoded as they are needed:
+    a folder of many photos never sits in memory at once)."""
+
+    names: list[str]
+    batches: Callable[[int], Batches]
+
+
+def _files(files: list[Path], data: DataModule, source: Path) -> Inputs:
+    def batches(size: int) -> Batches:
+        for start in range(0, len(files), size):
+            yield _decoded(files[start:start + size], data, source), None
+
+    return Inputs([str(f) for f in files], batches)
 
 
 def _decoded(files: list[Path], data: DataModule, source: Path) -> torch.Tensor:
+    """Each image seen as the data set sees its validation images."""
     inputs = []
     for file in files:
         try:
@@ -75,30 +89,27 @@ def _decoded(files: list[Path], data: DataModule, source: Path) -> torch.Tensor:
     return torch.stack(inputs)
 
 
-def _validation_split(data: DataModule) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every validation sample, through a loader (any map-style data set)."""
-    loader = DataLoader(data.val, batch_size=data.val_batch_size)
-    inputs, labels = zip(*loader, strict=True)
-    return torch.cat(inputs), torch.cat(labels)
-
-
-def load_inputs(
-    source: str | None, data: DataModule
-) -> tuple[torch.Tensor, torch.Tensor | None, list[str]]:
-    """(inputs, labels or None, a name for each input)."""
+def load_inputs(source: str | None, data: DataModule) -> Inputs:
+    """The validation split (through a loader: any map-style data set), a folder of images,
+    one image, or a .npy array."""
     if source is None:
-        x, y = _validation_split(data)
         files = getattr(data.val, "files", None)  # (an image folder's: name the file)
-        return x, y, [str(f) for f in files] if files else [f"val[{i}]" for i in range(len(y))]
+        names = [str(f) for f in files] if files else [f"val[{i}]" for i in range(len(data.val))]
+        return Inputs(names, lambda size: iter(DataLoader(data.val, batch_size=size)))
     path = Path(source)
     if path.is_dir():
-        x, names = _from_folder(path, data)
-        return x, None, names
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES
+                       and p.is_file() and not p.name.startswith("."))  # (as training does)
+        if not files:
+            raise UserError(f"predict.input={path}: no images "
+                            f"({', '.join(sorted(IMAGE_SUFFIXES))})")
+        return _files(files, data, path)
     if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
-        return _decoded([path], data, path), None, [str(path)]
+        return _files([path], data, path)
     if path.is_file() and path.suffix == ".npy":
         x = _from_npy(path, data.input_shape)
-        return x, None, [f"{path.name}[{i}]" for i in range(len(x))]
+        return Inputs([f"{path.name}[{i}]" for i in range(len(x))],
+                      lambda size: ((batch, None) for batch in x.split(size)))
     raise UserError(f"predict.input={source}: expected a folder of images, an image or a .npy "
                     f"file")
 
@@ -108,10 +119,15 @@ def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | 
     data = build_data(cfg)
     model, _ = build_trained_model(cfg, data)
     model.to(device)
-    x, y, names = load_inputs(cfg.predict.input, data)
-    probs = torch.cat([
-        model(batch.to(device)).softmax(1).cpu() for batch in x.split(data.val_batch_size)])
-    confidence, preds = probs.max(1)
+    inputs = load_inputs(cfg.predict.input, data)
+    names, probs, targets, drawn = inputs.names, [], [], []
+    for x, y in inputs.batches(data.val_batch_size):
+        probs.append(model(x.to(device)).softmax(1).cpu())
+        targets += [] if y is None else [torch.as_tensor(y)]
+        drawn.append(x[:max(0, cfg.predict.num_show - sum(map(len, drawn)))])
+    confidence, preds = torch.cat(probs).max(1)
+    y = torch.cat(targets) if targets else None
+    x = torch.cat(drawn)  # (the first predict.num_show inputs: the picture's)
     table = io.StringIO(newline="")
     writer = csv.writer(table)
     classes = data.classes
@@ -124,14 +140,14 @@ def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | 
             row += [classes[int(preds[i])], "" if y is None else classes[label]]
         writer.writerow(row)
     write_text_atomically(run_dir / "predictions.csv", table.getvalue())
-    shown = min(cfg.predict.num_show, len(x))
+    shown = len(x)
     labels = None if y is None else y[:shown].tolist()
     accuracy = None if y is None else (preds == y).double().mean().item()
-    title = f"{Path(str(cfg.ckpt)).name}: {len(x)} inputs" + (
+    title = f"{Path(str(cfg.ckpt)).name}: {len(names)} inputs" + (
         "" if accuracy is None else f", accuracy {accuracy:.2%} (green right, red wrong)")
     save_grid(data.show(x[:shown]), preds[:shown].tolist(), labels, title,
               run_dir / "predictions.png", classes=data.classes)
-    log.info("predicted %d inputs -> %s, %s%s", len(x), run_dir / "predictions.csv",
+    log.info("predicted %d inputs -> %s, %s%s", len(names), run_dir / "predictions.csv",
              run_dir / "predictions.png",
              "" if accuracy is None else f"; accuracy {accuracy:.4f}")
     return accuracy
