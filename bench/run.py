@@ -46,9 +46,12 @@ CASES = {
         ["--model", "mlp", "--hidden", json.dumps(MLP["hidden"]), "--data", "synthetic",
          "--num-samples", str(MLP["num_samples"]), "--input-shape",
          json.dumps(MLP["input_shape"]), "--batch", str(MLP["batch"])]),
+    # (Validation batches of 64 like the training ones: the plain loop does not validate, and a
+    # larger validation batch would be a peak of memory that it never has.)
     "ResNet [16, 32, 64], synthetic [3, 32, 32], batch 64": (
         RESNET_STEPS,
-        ["model=resnet", "data=synthetic", "data.input_shape=[3,32,32]"],
+        ["model=resnet", "data=synthetic", "data.input_shape=[3,32,32]",
+         "data.val_batch_size=64"],
         ["--model", "resnet", "--data", "synthetic", "--input-shape", "[3, 32, 32]"]),
 }
 
