@@ -155,7 +155,11 @@ def test_a_stop_with_a_stopped_rank_reports_what_was_saved(tmp_path) -> None:
         assert after[-1].name == f"step-{int(saved[1]):08d}.pt" and after != before
     else:
         assert "stopped by SIGTERM, but no checkpoint was saved at the stop" in output, output
-        assert after == before
+        # A periodic checkpoint (an epoch's end) may still have been written after `before`
+        # was listed (the background writer, slow under load); none at another step.
+        per_epoch = int(re.search(r"(\d+) steps/epoch",
+                                  (run_dir / "logs" / "rank0.log").read_text())[1])
+        assert all(int(p.stem.split("-")[1]) % per_epoch == 0 for p in set(after) - set(before))
 
 
 def _parent(pid: int) -> int:
