@@ -19,6 +19,11 @@ log = logging.getLogger(__name__)
 IMAGE_SUFFIXES = (".bmp", ".gif", ".jpeg", ".jpg", ".png", ".tif", ".tiff", ".webp")
 
 
+def is_image_name(name: str) -> bool:
+    """An image file's name by its suffix; hidden files (`.DS_Store`, `._IMG.jpg`) are not."""
+    return Path(name).suffix.lower() in IMAGE_SUFFIXES and not name.startswith(".")
+
+
 class DataModule:
     """What the loop needs from a data object; subclasses fill in `train` and `val` (any
     map-style data sets of `(input, target)`), `input_shape` and `num_classes`.

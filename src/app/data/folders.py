@@ -21,7 +21,7 @@ from typing import Any
 from PIL import Image
 
 from app.data import transforms
-from app.data.base import IMAGE_SUFFIXES, split
+from app.data.base import IMAGE_SUFFIXES, is_image_name, split
 from app.data.images import ImageData, ImageSet
 from app.errors import BadImage, UserError
 
@@ -82,8 +82,7 @@ def _images(folder: Path) -> list[Path]:
     found = []
     for parent, dirs, names in os.walk(folder, followlinks=True):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
-        found += [Path(parent, n) for n in names
-                  if Path(n).suffix.lower() in IMAGE_SUFFIXES and not n.startswith(".")]
+        found += [Path(parent, n) for n in names if is_image_name(n)]
     return sorted(found)
 
 
@@ -137,12 +136,11 @@ def split_by_name(names: list[str], val_fraction: float, split_seed: int
     `split_seed`), read as a fraction, is below `val_fraction`. Its side depends on nothing
     else, so adding files moves none of the others. Where that leaves a split empty (a few
     images), the `val_fraction` share of the smallest hashes goes instead."""
-    split(len(names), val_fraction, split_seed)  # (its checks: a sample in each split)
+    count = len(split(len(names), val_fraction, split_seed)[1])  # (checked: one in each split)
     keys = [int.from_bytes(hashlib.sha256(f"{split_seed}/{n}".encode()).digest()[:8], "big")
             / 2**64 for n in names]
     val = [i for i, key in enumerate(keys) if key < val_fraction]
     if not 0 < len(val) < len(names):
-        count = len(split(len(names), val_fraction, split_seed)[1])
         val = sorted(sorted(range(len(names)), key=keys.__getitem__)[:count])
     taken = set(val)
     return [i for i in range(len(names)) if i not in taken], val

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from app.config import AppConfig
 from app.data import DataModule
-from app.data.base import IMAGE_SUFFIXES
+from app.data.base import IMAGE_SUFFIXES, is_image_name
 from app.data.transforms import DECODE_ERRORS
 from app.errors import BadImage, UserError
 from app.files import write_text_atomically
@@ -98,13 +98,12 @@ def load_inputs(source: str | None, data: DataModule) -> Inputs:
         return Inputs(names, lambda size: iter(DataLoader(data.val, batch_size=size)))
     path = Path(source)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES
-                       and p.is_file() and not p.name.startswith("."))  # (as training does)
+        files = sorted(p for p in path.iterdir() if is_image_name(p.name) and p.is_file())
         if not files:
             raise UserError(f"predict.input={path}: no images "
                             f"({', '.join(sorted(IMAGE_SUFFIXES))})")
         return _files(files, data, path)
-    if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
+    if path.is_file() and is_image_name(path.name):
         return _files([path], data, path)
     if path.is_file() and path.suffix == ".npy":
         x = _from_npy(path, data.input_shape)
