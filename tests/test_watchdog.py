@@ -70,7 +70,7 @@ def test_ranks_that_ended_are_not_stalled() -> None:
     assert judge([peers[0]], 100.0, STALL) is None
 
 
-def test_nothing_is_judged_before_every_rank_has_done_its_first_step() -> None:
+def test_before_every_rank_has_done_its_first_step_only_a_silent_rank_is_judged() -> None:
     """Building the data set, loading a checkpoint, compiling the model: no ticks, no stall."""
     peers = [_peer(0, moved=STALL, heard=0, waiting=True),
              _peer(1, moved=STALL, heard=0, waiting=False)]  # (compiling its first step)
@@ -79,6 +79,17 @@ def test_nothing_is_judged_before_every_rank_has_done_its_first_step() -> None:
     # A silent rank is judged all the same: its last record may be from before its first step.
     peers[1].heard_at = 100.0 - STALL
     assert [p.rank for p in judge(peers, 100.0, STALL)] == [1]
+    # Also while the ranks that wait for it have not done theirs (it stopped in its first step
+    # or while building its data: the others wait in DDP's first collective).
+    peers[0].armed = False
+    assert [p.rank for p in judge(peers, 100.0, STALL)] == [1]
+    # But a rank that only takes long (it still publishes) is not, nor is every rank at once
+    # (the store did not answer: judged by the store's own clock).
+    peers[1].heard_at = 100.0
+    assert judge(peers, 100.0, STALL) is None
+    for p in peers:
+        p.heard_at = 100.0 - STALL
+    assert judge(peers, 100.0, STALL) is None
     first = Peer(1, moved_at=0.0, heard_at=0.0)
     for ticks, armed in ((1, False), (2, True)):  # armed once its first step is done
         first.update({"ticks": ticks, "beat": ticks, "step": None, "host": "h", "pid": 1,
@@ -236,6 +247,20 @@ def test_a_rank_in_a_dead_loop_ends_the_job_named(tmp_path) -> None:
     stacks = (run_dir / "logs" / "rank1.stacks").read_text()
     assert "faults.py" in stacks  # where it sleeps
     _assert_stacks(run_dir)
+
+
+def test_a_rank_stopped_before_its_first_step_ends_the_job_named(tmp_path) -> None:
+    """Rank 1 stops itself (SIGSTOP) in its first forward pass; rank 0 waits in the first
+    gradient all-reduce. Before, nothing was judged until every rank had done a step: the job
+    waited for distributed.timeout_s (600 s here)."""
+    run_dir = tmp_path / "run"
+    message = _stalled_run(run_dir, "model._target_=faults.FaultyCNN", "+model.fault=stop",
+                           "+model.fault_call=1", "distributed.stall_timeout_s=5",
+                           "distributed.timeout_s=600")
+    assert re.search(r"rank 1 on host \S+ \(pid \d+, before its first step, not running: "
+                     r"stopped\?\) has made no progress for 5 s", message), message
+    assert "rank 0 on host" not in message
+    assert "faults.py" in (run_dir / "logs" / "rank1.stacks").read_text()  # woken to write it
 
 
 def _torchrun_rank_pid(run_dir: Path, rank: int) -> int | None:

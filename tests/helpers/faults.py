@@ -36,6 +36,8 @@ class FaultyCNN(CNN):
                     os.kill(os.getpid(), signal.SIGKILL)
                 if self.fault == "hang":
                     time.sleep(3600)
+                if self.fault == "stop":  # (fault_call=1: before this rank's first step)
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 if self.fault == "nan_loss":
                     return super().forward(x) * float("nan")
         return super().forward(x)

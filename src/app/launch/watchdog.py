@@ -19,9 +19,10 @@ more progress (`tick()` blocks): no rank trains on, validates or writes a checkp
 verdict, and a collective that fails because another rank ended is reported as the stall
 (`hold_if_stalled`).
 
-Only training and evaluation are judged, and only after every rank's first step (or batch):
-building the data set, loading a checkpoint and the first step (a compile) are not progress
-that ticks. A rank inside a checkpoint write (`progress.busy()`) makes progress.
+Only training and evaluation are judged. Before every rank's first step (or batch) only a
+rank that stopped running is: building the data set, loading a checkpoint and the first step
+(a compile) are not progress that ticks. A rank inside a checkpoint write (`progress.busy()`)
+makes progress.
 
 Every process of a run writes its stacks on the dump signal (`kill -s RTMIN+4 PID`), watched or
 not (`dump_stacks_to`): a rank to `logs/rank{N}.stacks`, the launcher of spawned workers to
@@ -128,14 +129,19 @@ def judge(peers: list[Peer], now: float, stall_s: float) -> list[Peer] | None:
     whose main thread is elsewhere. An empty list: every rank waits in a collective (ranks that
     called different collectives, or a rank lost between two of them).
 
-    Nothing is judged until every running rank has done its first step: before it, a rank
-    builds its data set, loads a checkpoint or compiles the model, which take long and tick
-    nothing. A silent rank is the exception: its last record may predate its first step
-    (one is published about once a second), and whatever it does, it does not run.
+    Until every running rank has done its first step, only silent ranks are judged: before
+    it, a rank builds its data set, loads a checkpoint or compiles the model, which take long
+    and tick nothing, but a rank that does any of it still publishes its record (about once a
+    second). One whose records stopped for `stall_s` does not run, whatever it was doing (a
+    SIGSTOP while the data set is built held the others for distributed.timeout_s before).
     """
     running = [p for p in peers if not p.done]
-    if not running or not all(p.armed or p.silent(now, stall_s) for p in running) or \
-            any(now - p.moved_at < stall_s for p in running):
+    if not running:
+        return None
+    if not all(p.armed for p in running):
+        silent = [p for p in running if p.silent(now, stall_s)]
+        return silent if silent and len(silent) < len(running) else None
+    if any(now - p.moved_at < stall_s for p in running):
         return None
     return [p for p in running if p.silent(now, stall_s) or not p.waiting]
 
