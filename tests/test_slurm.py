@@ -306,16 +306,20 @@ def test_a_failing_single_task_job_is_failed(tmp_path) -> None:
     assert final_state(job) == "FAILED"  # not COMPLETED: the task exited non-zero
 
 
-def test_ctrl_c_names_the_jobs_that_go_on(tmp_path) -> None:
+@pytest.mark.parametrize("sig, said", [(signal.SIGINT, "SIGINT (Ctrl-C)"),
+                                       (signal.SIGTERM, "SIGTERM")])
+def test_ctrl_c_or_sigterm_names_the_jobs_that_go_on(tmp_path, sig, said) -> None:
+    """SIGTERM (a closed session, `kill`) ended the command silently before."""
     sweep = tmp_path / "sweep"
     proc, log = _watch(sweep, *TINY, "optimizer.lr=0.01,0.003",
                        "+hydra.launcher.additional_parameters.hold=true")
     try:
         _wait_for(lambda: "waiting for the results" in log.read_text(), 120, "the submission")
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 128 + sig
         output = log.read_text()
         assert "Traceback" not in output, output
+        assert f"stopped by {said}: the waiting ended, not the jobs" in output
         array = [j for j in job_ids(sweep) if "_" in j]  # beside the folder of the array's script
         assert len(array) == 2
         for num, job in enumerate(array):

@@ -19,10 +19,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,28 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 log = logging.getLogger(__name__)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM to the submitting command (a closed session, `kill`): like Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt(active: bool) -> Iterator[None]:
+    """SIGTERM stops the waiting as Ctrl-C does (the jobs that go on are listed), instead of
+    ending the command silently."""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def device_slice(job_num: int, devices: int | str, ids: list[str]) -> list[str] | None:
@@ -180,19 +205,23 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
             set_slurm_watcher(SlurmStates())
         jobs: list[Any] = []
         try:
-            jobs = executor.map_array(
-                self, [list(o) for o in job_overrides], ["hydra.sweep.dir"] * len(nums), nums,
-                [f"job_id_for_{n}" for n in nums], [Singleton.get_state()] * len(nums))
-            log.info("submitted as %s job%s %s; waiting for the results (Ctrl-C stops the "
-                     "waiting, not the jobs)", self._EXECUTOR, "s" * (len(jobs) > 1),
-                     ", ".join(job.job_id for job in jobs))
-            return [self._result(job, num, list(o))
-                    for job, num, o in zip(jobs, nums, job_overrides, strict=True)]
-        except KeyboardInterrupt:
+            with _sigterm_as_interrupt(self._EXECUTOR == "slurm"):
+                jobs = executor.map_array(
+                    self, [list(o) for o in job_overrides], ["hydra.sweep.dir"] * len(nums),
+                    nums, [f"job_id_for_{n}" for n in nums], [Singleton.get_state()] * len(nums))
+                log.info("submitted as %s job%s %s; waiting for the results (Ctrl-C stops the "
+                         "waiting, not the jobs)", self._EXECUTOR, "s" * (len(jobs) > 1),
+                         ", ".join(job.job_id for job in jobs))
+                return [self._result(job, num, list(o))
+                        for job, num, o in zip(jobs, nums, job_overrides, strict=True)]
+        except KeyboardInterrupt as e:
             if self._EXECUTOR != "slurm":
                 raise  # local jobs are this command's children: they get the Ctrl-C too
             self._report_left(jobs, nums)
-            sys.exit(130)
+            code = 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
+            log.error("stopped by %s: the waiting ended, not the jobs",
+                      "SIGTERM" if code == 128 + signal.SIGTERM else "SIGINT (Ctrl-C)")
+            sys.exit(code)
 
     def _run_dir(self, num: int) -> Path:
         sweep = self.composed[num].hydra.sweep
