@@ -159,3 +159,26 @@ def test_a_full_disk_at_pictures_and_predictions_is_one_line_and_leaves_no_parti
         save_grid(torch.zeros(2, 1, 8, 8), [1, 2], None, "grid", tmp_path / "predictions.png")
     _one_line(error.value, tmp_path / "predictions.png")
     assert not list(tmp_path.glob("*predictions.png*"))
+
+
+def test_a_run_file_is_on_disk_before_its_name_points_to_it(tmp_path, monkeypatch) -> None:
+    """After a power loss the name holds the old file or the new one, never an empty one: the
+    new content is fsynced before the rename, and the rename (its folder) after it."""
+    import os
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(("replace", None))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    write_result(tmp_path, "completed", 1.0)
+    assert events == [("fsync", False), ("replace", None), ("fsync", True)]
+    assert (tmp_path / "result.json").is_file()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from app.errors import WriteFailed
@@ -35,11 +35,26 @@ def write_bytes_atomically(path: Path, data: bytes) -> None:
         with open(tmp, "wb") as f:
             began = True
             f.write(data)
+            f.flush()
+            # On disk before the rename: after a power loss or a node crash the name holds
+            # the old file or the new one, never an empty one (these files are small and rare).
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
         if began:
             tmp.unlink(missing_ok=True)
         raise write_failed(path, e) from e
+    with suppress(OSError):  # (best effort: some file systems refuse a folder's fsync)
+        sync_dir(path.parent)
+
+
+def sync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextmanager

@@ -21,14 +21,7 @@ from typing import Any
 import torch
 
 from app.errors import AppError, UserError
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from app.files import sync_dir
 
 
 def save(state: dict[str, Any], path: Path) -> None:
@@ -42,7 +35,7 @@ def save(state: dict[str, Any], path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        sync_dir(path.parent)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         # A full or read-only disk, a quota, a file size limit: the user's to fix. (torch.save
@@ -64,7 +57,7 @@ def link(source: Path, name: Path) -> None:
     except OSError:  # no hard links here (some network file systems): copy instead
         shutil.copyfile(source, tmp)
     os.replace(tmp, name)
-    _fsync_dir(name.parent)
+    sync_dir(name.parent)
 
 
 def periodic_name(step: int) -> str:
