@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from omegaconf import OmegaConf
 from app.compose_errors import explain
 from app.errors import UserError
 from app.training.build import build_data, build_model
-from conftest import make_config
+from conftest import TINY, assert_ok, make_config, run_app
 
 MISSPELT = [
     (["trainer.max_epoch=3"], "trainer.max_epoch: no such key; did you mean trainer.max_epochs?"),
@@ -146,3 +147,14 @@ def test_a_config_file_with_a_renamed_key_or_a_wrong_choice_is_named(tmp_path, t
     (tmp_path / "experiment" / "old.yaml").write_text(text)
     error = _composition_error(f"hydra.searchpath=[file://{tmp_path}]", "+experiment=old")
     assert explain(error) == line
+
+
+def test_hydras_own_job_logging_options_replace_the_apps(tmp_path) -> None:
+    """The app's console and train.log are a hydra/job_logging option of their own (conf/hydra/),
+    so `hydra/job_logging=disabled` replaces them whole (it was a 30-line ValueError traceback
+    about a handler without a class, and exit 0)."""
+    result = assert_ok(run_app(tmp_path / "run", "hydra/job_logging=disabled", *TINY,
+                               "trainer.max_steps=2"))
+    assert "Traceback" not in result.output and "done: step 2" not in result.output, result.output
+    assert not (tmp_path / "run" / "train.log").exists()
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "completed"
