@@ -70,3 +70,47 @@ def test_class_names_label_the_cells_and_a_long_one_stays_in_its_cell(tmp_path) 
     inked = np.argwhere((band != 255).any(axis=-1))[:, 1]
     first = inked[inked < CELL[0]]
     assert first.min() > 0 and first.max() < CELL[0] - 1  # the label ends inside its cell
+
+
+def _drawn_labels(monkeypatch) -> list[tuple[str, object]]:
+    """The (text, font) of every label the grid draws (the title is not recorded)."""
+    from PIL import ImageDraw
+
+    drawn, real = [], ImageDraw.ImageDraw.text
+
+    def text(self, xy, content, *args, **kwargs):
+        drawn.append((content, kwargs.get("font")))
+        return real(self, xy, content, *args, **kwargs)
+
+    monkeypatch.setattr(ImageDraw.ImageDraw, "text", text)
+    return drawn
+
+
+def test_names_beyond_ascii_are_drawn_with_a_font_that_has_them_or_as_indices(
+        tmp_path, monkeypatch) -> None:
+    """Pillow's own font has ASCII only: "café" showed as "caf" and a box."""
+    from app.reporting import grids
+
+    classes = ["café", "Жук"]
+    drawn = _drawn_labels(monkeypatch)
+    grids._fonts.cache_clear()
+    save_grid(torch.rand(2, 3, 4, 4), [0, 1], [0, 1], "t", tmp_path / "a.png", classes=classes)
+    labels = drawn[1:]
+    system = grids._fonts(12)[1:]  # the fallback fonts this machine has
+    if any(grids._draws(f, "".join(classes)) for f in system):
+        assert [t for t, _ in labels] == ["pred café / true café", "pred Жук / true Жук"]
+        assert all(grids._draws(font, text) for text, font in labels)
+    else:
+        print("no system font here draws", classes, "- the grid gives their indices")
+        assert [t for t, _ in labels] == ["pred #0 / true #0", "pred #1 / true #1"]
+    # Where no font draws them, the indices (and the PNG's text keeps the names).
+    drawn.clear()
+    monkeypatch.setattr(grids, "FALLBACK_FONTS", ())
+    grids._fonts.cache_clear()
+    try:
+        save_grid(torch.rand(1, 3, 4, 4), [1], None, "t", tmp_path / "b.png", classes=classes)
+    finally:
+        grids._fonts.cache_clear()
+    assert [t for t, _ in drawn[1:]] == ["pred #1"]
+    assert _open(tmp_path / "b.png").text["Description"] == "pred Жук"
+    assert grids._draws(grids._fonts(12)[0], "pred 7 / true cat")  # ASCII: Pillow's own font

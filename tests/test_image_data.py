@@ -64,6 +64,23 @@ def test_the_normalisation_comes_from_the_training_images(folder) -> None:
     assert torch.allclose(given.show(x) * 1, ((x * 0.25) + 0.5).clamp(0, 1))
 
 
+def test_under_ddp_one_rank_reads_the_images_for_the_normalisation(folder, monkeypatch) -> None:
+    """The other ranks receive rank 0's values (the same: the sample is drawn by the seed)
+    instead of decoding the sample again."""
+    from app import dist
+    from app.data import images
+
+    reference = _data(folder).stats.clone()
+    computed = []
+    real = images._statistics
+    monkeypatch.setattr(images, "_statistics", lambda *a: computed.append(1) or real(*a))
+    monkeypatch.setattr(dist, "broadcast_object", lambda obj, src=0: reference.clone())
+    monkeypatch.setattr(dist, "is_main", lambda local=False: False)  # (rank 1)
+    assert torch.equal(_data(folder).stats, reference) and computed == []
+    monkeypatch.setattr(dist, "is_main", lambda local=False: True)  # (rank 0)
+    assert torch.equal(_data(folder).stats, reference) and computed == [1]
+
+
 def test_augmentation_depends_on_seed_epoch_and_index_only(folder) -> None:
     a, b = _data(folder), _data(folder)
     a.set_epoch(1, seed=7)
@@ -125,6 +142,21 @@ def test_images_are_decoded_as_a_viewer_shows_them(tmp_path) -> None:
     exif[0x0112] = 6  # a camera held upright: rotate 90 degrees to show it
     photo.save(tmp_path / "upright.jpg", exif=exif)
     assert transforms.decode(tmp_path / "upright.jpg", "RGB").size == (20, 60)
+    # Transparent pixels show on white (what lies under them here is black), half-transparent
+    # ones blend: RGBA, grey with alpha, and a palette image with a transparent colour.
+    logo = np.zeros((4, 4, 4), dtype=np.uint8)
+    logo[0, 0] = [255, 0, 0, 255]
+    logo[0, 1] = [0, 0, 0, 128]
+    Image.fromarray(logo, "RGBA").save(tmp_path / "logo.png")
+    Image.fromarray(logo, "RGBA").convert("LA").save(tmp_path / "grey-logo.png")
+    Image.fromarray(logo[..., :3], "RGB").convert("P").save(tmp_path / "palette.png",
+                                                            transparency=0)
+    rgb = np.asarray(transforms.decode(tmp_path / "logo.png", "RGB"))
+    assert rgb[0, 0].tolist() == [255, 0, 0] and rgb[3, 3].tolist() == [255, 255, 255]
+    assert 120 <= rgb[0, 1, 0] <= 130  # half black over white
+    assert np.asarray(transforms.decode(tmp_path / "grey-logo.png", "L"))[3, 3] == 255
+    assert np.asarray(transforms.decode(tmp_path / "palette.png", "RGB"))[3, 3].tolist() == \
+        [255, 255, 255]
     strip = Image.new("RGB", (20000, 1), (10, 200, 30))  # cut out before it is resized
     view = transforms.resize_and_crop(strip, (64, 64))
     assert view.size == (64, 64) and np.asarray(view)[0, 0].tolist() == [10, 200, 30]

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from app import dist
 from app.checks import seed_value, widths
 from app.data import transforms
 from app.data.base import DataModule, sample_seed
@@ -148,7 +149,10 @@ class ImageData(DataModule):
             return
         if self.cache:  # decoded once, for the statistics too
             self.cache_in_memory()
-        self.stats[:] = _statistics(self.train, self.split_seed)
+        # One rank reads the images, the others receive its result (the same values: the
+        # sample is drawn by the seed) instead of each reading them again.
+        self.stats[:] = dist.broadcast_object(
+            _statistics(self.train, self.split_seed) if dist.is_main() else None)
         log.info("%s: normalised by the training images' mean %s and std %s", self.where,
                  _rounded(self.stats[0]), _rounded(self.stats[1]))
 

@@ -36,12 +36,19 @@ def decode(path: Path | BinaryIO, mode: str, name: str | None = None) -> Image.I
 
 def as_mode(image: Image.Image, mode: str) -> Image.Image:
     """`image` in `mode`, every pixel loaded (a truncated file fails here). Pillow's convert
-    clips 16-bit and 32-bit values to 8 bits (a 16-bit scan turns white): those are scaled."""
+    clips 16-bit and 32-bit values to 8 bits (a 16-bit scan turns white): those are scaled.
+    Transparent pixels are shown on white, as a page or a viewer shows a logo (Pillow's
+    convert drops the alpha channel, and what lies under it is often black)."""
     if image.mode.startswith("I;16") or image.mode in ("I", "F"):
         values = np.asarray(image, dtype=np.float64)
         top = 1.0 if image.mode == "F" and values.max(initial=0) <= 1 else (
             255.0 if image.mode == "F" else 65535.0)
         image = Image.fromarray(np.round(np.clip(values / top, 0, 1) * 255).astype(np.uint8))
+    if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (
+            image.mode in ("P", "L", "RGB") and "transparency" in image.info):
+        image = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)),
+                                      image)
     return image.convert(mode)
 
 

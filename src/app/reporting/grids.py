@@ -8,6 +8,8 @@ the data set's `show` gives, the model's view of them.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import math
 from pathlib import Path
@@ -32,6 +34,33 @@ def _pixels(image: torch.Tensor) -> Image.Image:
         return Image.fromarray(np.round(255 * array[0]).astype(np.uint8), mode="L")
     rgb = array.transpose(1, 2, 0)
     return Image.fromarray(np.round(255 * rgb).astype(np.uint8), mode="RGB")
+
+
+# Fonts tried in turn for a label that Pillow's own font cannot draw (it has ASCII only: "café"
+# showed as "caf" and a box). Found by file name in the system's font folders, where present.
+FALLBACK_FONTS = ("DejaVuSans.ttf", "NotoSans-Regular.ttf", "NotoSansCJK-Regular.ttc",
+                  "LiberationSans-Regular.ttf", "Arial Unicode.ttf", "arial.ttf")
+
+
+@functools.lru_cache(maxsize=8)
+def _fonts(size: int) -> tuple[ImageFont.FreeTypeFont | ImageFont.ImageFont, ...]:
+    fonts = [ImageFont.load_default(size=size)]
+    for name in FALLBACK_FONTS:
+        with contextlib.suppress(OSError):
+            fonts.append(ImageFont.truetype(name, size))
+    return tuple(fonts)
+
+
+def _draws(font: ImageFont.FreeTypeFont | ImageFont.ImageFont, text: str) -> bool:
+    """Whether `font` has a glyph for every character of `text` (a missing one is drawn as
+    the font's "missing" box, the same for every missing character)."""
+    missing = bytes(font.getmask("\U0010fffd"))
+    return all(ch.isspace() or bytes(font.getmask(ch)) != missing for ch in set(text))
+
+
+def font_for(text: str, size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont | None:
+    """The first font that draws all of `text`; None when no font here does."""
+    return next((f for f in _fonts(size) if _draws(f, text)), None)
 
 
 def _fitted(text: str, font: ImageFont.ImageFont, width: float) -> str:
@@ -59,13 +88,16 @@ def save_grid(
     draw = ImageDraw.Draw(picture)
     draw.text((picture.width / 2, 16), title, fill="black", anchor="mm",
               font=ImageFont.load_default(size=14))
-    font = ImageFont.load_default(size=12)
     cells = []
     for i in range(n):
         left, top = (i % cols) * CELL[0], TITLE_H + (i // cols) * CELL[1]
         name = (lambda c: classes[c]) if classes else str  # a class's name, else its index
         cell = f"pred {name(preds[i])}" + ("" if labels is None else f" / true {name(labels[i])}")
-        cells.append(cell)
+        cells.append(cell)  # (whole, in the PNG's text: drawn, it may be an index or shortened)
+        font = font_for(cell, 12)
+        if font is None:  # no font here draws these names: their indices, not boxes
+            font = _fonts(12)[0]
+            cell = f"pred #{preds[i]}" + ("" if labels is None else f" / true #{labels[i]}")
         color = "black" if labels is None else GREEN if preds[i] == labels[i] else RED
         draw.text((left + CELL[0] / 2, top + LABEL_H / 2 - 4), _fitted(cell, font, CELL[0] - 8),
                   fill=color, anchor="mm", font=font)
