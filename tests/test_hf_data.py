@@ -151,3 +151,23 @@ def test_a_validation_label_that_training_lacks_is_named(sources, tmp_path) -> N
     datasets.DatasetDict({"train": rows, "validation": val}).save_to_disk(str(tmp_path / "d"))
     with pytest.raises(UserError, match="row 0 of split validation has the label 'd'"):
         run_job(tmp_path / "run", *SMALL, f"data.path={tmp_path / 'd'}", "data.label_column=name")
+
+
+def test_an_unreadable_row_stops_the_run_naming_it_or_is_skipped_and_counted(sources,
+                                                                           tmp_path) -> None:
+    import datasets
+
+    files = sorted((sources / "folder").rglob("*.*"))
+    raw = [f.read_bytes() for f in files]
+    raw[3] = b"\xff\xd8\xff\xe0 the start of a JPEG only"
+    table = {"raw": raw, "label": [f.parent.name for f in files]}
+    datasets.Dataset.from_dict(table).save_to_disk(str(tmp_path / "d"))
+    common = [*SMALL, f"data.path={tmp_path / 'd'}", "data.image_column=raw",
+              "trainer.max_epochs=1"]
+    # Met while the normalisation is computed (a training row) or while loading (either).
+    with pytest.raises(Exception, match=r"row \d+ of column 'raw' \(bytes\) is not a readable "
+                                        r"image.*data.bad_files=skip"):
+        run_job(tmp_path / "fails", *common)
+    job = run_job(tmp_path / "skips", *common, "data.bad_files=skip")
+    assert "1 unreadable image(s) left out; the first: row 3 of column 'raw'" in job.output
+    assert "28 training and 7 validation images" in job.output  # the share of 35, not of 36

@@ -79,6 +79,10 @@ def test_a_rank_takes_its_local_rank_s_device(monkeypatch) -> None:
 @pytest.mark.parametrize("overrides,words", [
     (["devices=2", "device_id=0"], "device_id=0 picks the one device of a devices=1 run"),
     (["devices=2", "nodes=2"], "dist_url=auto works on one machine only; with nodes=2"),
+    # (each worker failed on it alike, exit 1, after they started)
+    (["devices=2", "data=image_folder", "data.root=/nonexistent"],
+     "data.root=/nonexistent: no such file or folder here"),
+    (["devices=2", "data=hf", "data.path=/nonexistent"], "data.path=/nonexistent: no such"),
 ])
 def test_a_spawn_that_cannot_work_is_refused_before_it_starts(overrides, words) -> None:
     with pytest.raises(UserError, match=words):

@@ -15,19 +15,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from PIL import Image
 
 from app.data import transforms
 from app.data.base import IMAGE_SUFFIXES, is_image_name, split
 from app.data.images import ImageData, ImageSet
-from app.errors import BadImage, UserError
+from app.errors import UserError
 
 log = logging.getLogger(__name__)
 
-BAD_FILES = ("fail", "skip")
 VAL_FOLDERS = ("val", "valid", "validation", "test")  # beside train/, looked for in this order
 Files = tuple[list[Path], list[int]]
 
@@ -40,36 +39,32 @@ class FolderImages(ImageSet):
         self.files = files
 
     def load(self, index: int) -> Image.Image:
-        try:
-            return transforms.decode(self.files[index], self.mode)
-        except BadImage as e:  # (met while training: say what helps)
-            raise BadImage(f"{e}; remove or replace it, or skip unreadable images with "
-                           f"data.bad_files=skip") from None
+        return transforms.decode(self.files[index], self.mode)
 
 
 class ImageFolder(ImageData):
     """The images under `root`, one sub-folder per class (see the module's docstring).
 
     `val_fraction` and `split_seed` draw the validation share when `root` has no `train/` and
-    `val/` folders. `bad_files`: `fail` (an unreadable image stops the run, naming the file)
-    or `skip` (every image is decoded once at the start; unreadable ones are left out and
-    counted). The image options are ImageData's.
+    `val/` folders. The image options (`bad_files` too) are ImageData's.
     """
 
-    def __init__(self, root: str, val_fraction: float = 0.2, bad_files: str = "fail",
-                 **options) -> None:
+    def __init__(self, root: str, val_fraction: float = 0.2, **options) -> None:
         super().__init__(**options)
-        if bad_files not in BAD_FILES:
-            raise UserError(f"data.bad_files={bad_files}: one of {', '.join(BAD_FILES)}")
         if not isinstance(root, str) or not root.strip():
             raise UserError(f"data.root={root}: give the folder of your images")
         if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float):
             raise UserError(f"data.val_fraction={val_fraction}: expected a number")
         self.root = Path(root).expanduser()
-        readable = (lambda files: _readable(files, self.mode)) if bad_files == "skip" else None
-        classes, train, val = _find(self.root, val_fraction, self.split_seed, readable)
+        classes, train, val = _find(self.root, val_fraction, self.split_seed, self._readable)
         self.use(classes, FolderImages(*train, self.mode), FolderImages(*val, self.mode),
                  f"data.root={self.root}")
+
+
+    def _readable(self, files: Files) -> Files:
+        kept = self.readable(lambda i: transforms.decode(files[0][i], self.mode), len(files[0]),
+                             f"data.root={self.root}")
+        return [files[0][i] for i in kept], [files[1][i] for i in kept]
 
 
 def _class_folders(folder: Path) -> list[str]:
@@ -100,11 +95,10 @@ def _labelled(folder: Path, classes: list[str], labels_of: list[str]) -> Files:
     return files, labels
 
 
-def _find(root: Path, val_fraction: float, split_seed: int, readable: Any = None
-          ) -> tuple[list[str], Files, Files]:
-    """The classes, and the (files, labels) of training and of validation; with `readable`,
-    the files it keeps (before the split is drawn: it shares out readable images only)."""
-    readable = readable or (lambda files: files)
+def _find(root: Path, val_fraction: float, split_seed: int,
+          readable: Callable[[Files], Files]) -> tuple[list[str], Files, Files]:
+    """The classes, and the (files, labels) of training and of validation: those `readable`
+    keeps (before the split is drawn: it shares out readable images only)."""
     if not root.is_dir():
         raise UserError(f"data.root={root}: no such folder (one sub-folder per class, each "
                         f"holding its images)")
@@ -151,24 +145,3 @@ def _enough(folder: Path, classes: list[str]) -> None:
         raise UserError(f"data.root={folder}: {len(classes)} class folder(s) "
                         f"({', '.join(classes) or 'none'}); a classifier needs two or more, "
                         f"each a sub-folder holding its images")
-
-
-def _readable(files: Files, mode: str) -> Files:
-    """`bad_files=skip`: the files that decode; the others are counted in a warning."""
-    kept: Files = ([], [])
-    bad = []
-    for path, label in zip(*files, strict=True):
-        try:
-            transforms.decode(path, mode)
-        except BadImage as e:
-            bad.append(str(e))
-            continue
-        kept[0].append(path)
-        kept[1].append(label)
-    if bad:
-        log.warning("data.bad_files=skip: %d unreadable image(s) left out; the first: %s",
-                    len(bad), bad[0])
-    if not kept[0]:
-        raise UserError(f"data.root: none of the {len(files[0])} images of a split is "
-                        f"readable; the first: {bad[0]}")
-    return kept

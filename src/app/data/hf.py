@@ -46,6 +46,12 @@ class HFRows(ImageSet):
         return transforms.decode(io.BytesIO(data) if data else Path(path), self.mode,
                                  name=f"{name} ({path or 'bytes'})")
 
+    def subset(self, indices: list[int]) -> HFRows:
+        if indices == list(range(len(self))):
+            return self
+        return HFRows(self.rows.select(indices), self.column,
+                      [self._labels[i] for i in indices], self.mode)
+
 
 def _datasets() -> Any:
     # Local files only: a builder name or path that is not on disk must not send datasets to
@@ -121,17 +127,17 @@ class HFImages(ImageData):
         if val_split is None:  # the first named like a validation split that has labels
             val_split = next((s for s in VAL_SPLITS if s in splits
                               and not _unlabelled(splits[s][label_column])), None)
+        where = f"data.path={self.path}"
+        names = (train_split,) if val_split is None else (train_split, val_split)
+        sets = []
+        for name in names:  # (bad_files=skip: readable rows only, before a share is drawn)
+            rows = HFRows(splits[name], image_column, _labels(
+                splits[name][label_column], to_label, name, label_column), self.mode)
+            sets.append(rows.subset(self.readable(rows.load, len(rows), where)))
         if val_split is None:
-            train_idx, val_idx = split(len(train), val_fraction, self.split_seed)
-            rows = splits[train_split]
-            parts = (rows.select(train_idx.tolist()), rows.select(val_idx.tolist()))
-            names = (train_split, train_split)
-        else:
-            parts, names = (splits[train_split], splits[val_split]), (train_split, val_split)
-        sets = [HFRows(rows, image_column, _labels(rows[label_column], to_label, name,
-                                                   label_column), self.mode)
-                for rows, name in zip(parts, names, strict=True)]
-        self.use(classes, sets[0], sets[1], f"data.path={self.path}")
+            train_idx, val_idx = split(len(sets[0]), val_fraction, self.split_seed)
+            sets = [sets[0].subset(train_idx.tolist()), sets[0].subset(val_idx.tolist())]
+        self.use(classes, sets[0], sets[1], where)
 
 
 def _unlabelled(values: list[Any]) -> bool:

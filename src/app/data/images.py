@@ -23,11 +23,13 @@ from app import dist
 from app.checks import seed_value, widths
 from app.data import transforms
 from app.data.base import DataModule, sample_seed
-from app.errors import UserError
+from app.errors import BadImage, UserError
 
 log = logging.getLogger(__name__)
 
 STATS_SAMPLES = 1000  # training images the normalisation is computed from, at most
+BAD_FILES = ("fail", "skip")
+SKIP_HINT = "; remove or replace it, or skip unreadable images with data.bad_files=skip"
 
 
 class Decoded:
@@ -77,10 +79,16 @@ class ImageSet(Dataset):
         return len(self.labels)
 
     def share_memory(self) -> None:  # data.cache=true
-        self.decoded = Decoded([self.load(i) for i in range(len(self))], self.mode)
+        self.decoded = Decoded([self._loaded(i) for i in range(len(self))], self.mode)
 
     def image(self, index: int) -> Image.Image:
-        return self.load(index) if self.decoded is None else self.decoded.image(index)
+        return self._loaded(index) if self.decoded is None else self.decoded.image(index)
+
+    def _loaded(self, index: int) -> Image.Image:
+        try:
+            return self.load(index)
+        except BadImage as e:  # (met while training: say what helps)
+            raise BadImage(f"{e}{SKIP_HINT}") from None
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         image = self.image(index)
@@ -104,8 +112,12 @@ class ImageData(DataModule):
     def __init__(self, image_size: int | list[int] = 32, channels: int = 3,
                  mean: list[float] | None = None, std: list[float] | None = None,
                  augment: bool = True, crop_scale: list[float] | tuple[float, float] = (0.35, 1.0),
-                 flip: bool = True, split_seed: int = 0, **loader) -> None:
+                 flip: bool = True, split_seed: int = 0, bad_files: str = "fail",
+                 **loader) -> None:
         super().__init__(**loader)
+        if bad_files not in BAD_FILES:
+            raise UserError(f"data.bad_files={bad_files}: one of {', '.join(BAD_FILES)}")
+        self.bad_files = bad_files
         self.split_seed = seed_value("data.split_seed", split_seed)
         if isinstance(channels, bool) or channels not in (1, 3):
             raise UserError(f"data.channels={channels}: 1 (grey) or 3 (RGB)")
@@ -128,6 +140,14 @@ class ImageData(DataModule):
         self._augment = {"scale": tuple(scale), "flip": flip} if augment else None
         self.classes: list[str] = []
         self._normalised = False  # by `prepare`, or by a checkpoint (`load_state_dict`)
+
+    def readable(self, load: Any, count: int, where: str) -> list[int]:
+        """The indices of the images a subclass found (`load(index)` decodes one): all of them,
+        or with bad_files=skip those that decode (each is decoded once; the others are
+        counted in a warning). Called before a validation share is drawn, so that it shares
+        out readable images only."""
+        return readable_indices(load, count, where) if self.bad_files == "skip" else \
+            list(range(count))
 
     def use(self, classes: list[str], train: ImageSet, val: ImageSet, where: str) -> None:
         """Take the two sets (of `classes`, found `where`)."""
@@ -196,6 +216,26 @@ class ImageData(DataModule):
 
     def show(self, inputs: torch.Tensor) -> torch.Tensor:
         return (inputs * self.stats[1][:, None, None] + self.stats[0][:, None, None]).clamp(0, 1)
+
+
+def readable_indices(load: Any, count: int, where: str) -> list[int]:
+    """`bad_files=skip`: the indices of the images `load(index)` decodes (every image is
+    decoded once); the others are counted in a warning."""
+    kept, bad = [], []
+    for index in range(count):
+        try:
+            load(index)
+        except BadImage as e:
+            bad.append(str(e))
+            continue
+        kept.append(index)
+    if bad:
+        log.warning("data.bad_files=skip: %d unreadable image(s) left out; the first: %s",
+                    len(bad), bad[0])
+    if not kept:
+        raise UserError(f"{where}: none of the {count} images of a split is readable; the "
+                        f"first: {bad[0]}")
+    return kept
 
 
 def switch(key: str, value: Any) -> bool:

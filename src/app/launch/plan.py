@@ -127,7 +127,21 @@ def plan(cfg: AppConfig, env: ProcessEnv) -> Plan:
     from app.dist import check_host  # (torch)
 
     check_host(url)  # before any worker starts
+    check_data_folder(cfg.data)
     return Plan(How.spawn, kind, devices=devices, url=url, **keep)
+
+
+# The folder key of the app's own data sets from files (a user's data module may create or
+# download its folder: not checked).
+DATA_FOLDERS = {"app.data.ImageFolder": "root", "app.data.HFImages": "path"}
+
+
+def check_data_folder(data: dict[str, Any]) -> None:
+    """A missing data folder, before the workers start (each would fail on it alike). Not at
+    compose time: a Slurm job may read a folder that only its nodes have."""
+    key = DATA_FOLDERS.get(str(data.get("_target_")))
+    if key and isinstance(data.get(key), str) and not Path(data[key]).expanduser().exists():
+        raise UserError(f"data.{key}={data[key]}: no such file or folder here")
 
 
 def launch(cfg: AppConfig, run_dir: Path, env: ProcessEnv) -> float | None:
