@@ -11,6 +11,7 @@ CONF=/etc/slurm/slurm.conf
 NODES=(node1 node2)
 CPUS=${SLURM_LOCAL_CPUS:-16}       # CPUs each emulated node offers (they share the real ones)
 MEM_MB=${SLURM_LOCAL_MEM_MB:-32000} # memory each emulated node offers (not enforced)
+MAX_ARRAY_SIZE=${SLURM_LOCAL_MAX_ARRAY_SIZE:-4}  # jobs one array may hold
 
 need_root() {
   [ "$(id -u)" = 0 ] || { echo "slurm-local: needs root (it installs packages and starts daemons)" >&2; exit 1; }
@@ -58,6 +59,8 @@ SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
 MinJobAge=300
+# Small, so that the tests see a sweep split into arrays that fit (Slurm's default: 1001).
+MaxArraySize=${MAX_ARRAY_SIZE}
 NodeName=node1 NodeHostname=${host} NodeAddr=127.0.0.1 Port=17001 CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN
 NodeName=node2 NodeHostname=${host} NodeAddr=127.0.0.1 Port=17002 CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN
 PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP
@@ -93,7 +96,8 @@ up() {
   # A fresh controller starts with its saved state cleared (-c): jobs left in
   # StateSaveLocation by an earlier cluster (a reboot, a killed CI run) would otherwise hold
   # the nodes ALLOCATED and never release them, since nothing runs them any more.
-  controller_up || { rm -f /run/slurmctld.pid; slurmctld -c; }
+  # A controller already up reads the configuration again (a changed MaxArraySize).
+  if controller_up; then scontrol reconfigure >/dev/null; else rm -f /run/slurmctld.pid; slurmctld -c; fi
   for node in "${NODES[@]}"; do
     pgrep -f "slurmd -N $node" >/dev/null || slurmd -N "$node"
   done

@@ -109,3 +109,16 @@ def slurm_watcher() -> Any:
     from submitit.slurm.slurm import SlurmJob
 
     return _attr(SlurmJob, "watcher")
+
+
+def sbatch_script(executor: Any, num_jobs: int) -> str:
+    """The sbatch script an executor (submitit's AutoExecutor for Slurm) would submit for an
+    array of `num_jobs` jobs (one job: no array), as submitit writes it."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    inner = _attr(executor, "_executor")
+    parameters = dict(_attr(inner, "parameters"))
+    if num_jobs > 1:
+        parameters["map_count"] = num_jobs
+    return _make_sbatch_string(command=_attr(inner, "_submitit_command_str"),
+                               folder=_attr(inner, "folder"), **parameters)

@@ -190,6 +190,9 @@ class SweepSummary(Callback):
             write_summary(Path(config.hydra.sweep.dir), draw=False)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if OmegaConf.select(config, "hydra.launcher.wait", default=True) is False or \
+                OmegaConf.select(config, "hydra.launcher.dry_run", default=False) is True:
+            return  # submitted and not waited for: python -m app.report, once they end
         sweep_dir = Path(config.hydra.sweep.dir)
         jobs = write_summary(sweep_dir)
         log.info("sweep summary (%s):\n%s", sweep_dir / "summary.md", markdown(jobs))

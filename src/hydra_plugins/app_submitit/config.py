@@ -44,6 +44,12 @@ class AppSlurmConf(SlurmQueueConf):
     signal_delay_s: int = 120  # seconds before the time limit at which Slurm sends USR2
     # Lines run before srun: a failing task ends the others.
     setup: list[str] | None = field(default_factory=lambda: ["export SLURM_KILL_BAD_EXIT=1"])
+    # false: submit, record the jobs in the sweep directory, print how to follow them and
+    # exit 0 at once (python -m app.status / app.report DIR); Optuna needs results: refused.
+    wait: bool = True
+    # true: print each array's sbatch script and the resources, check them against the
+    # cluster (partitions, limits, nodes, MaxArraySize) and submit nothing.
+    dry_run: bool = False
 
 
 @dataclass

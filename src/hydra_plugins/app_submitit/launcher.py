@@ -168,6 +168,11 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         if ended.get("status") == "failed":
             raise JobFailed(ended.get("error") or "the job failed")
 
+    def __init__(self, **params: Any) -> None:
+        # app's own options, not submitit's (they must not reach its executor).
+        self.wait, self.dry_run = params.pop("wait", True), params.pop("dry_run", False)
+        super().__init__(**params)
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
                ) -> Sequence[JobReturn]:
         import submitit
@@ -176,25 +181,21 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         # submitit prints its warnings on stdout and on stderr; Hydra's console handler (which
         # the records reach anyway) is enough in the submitting process.
         logging.getLogger("submitit").handlers.clear()
+        if not self.wait:
+            self._refuse_sweepers_that_need_results()
         self.composed = {initial_job_idx + i: self._compose_and_validate(list(o),
                                                                            initial_job_idx + i)
                          for i, o in enumerate(job_overrides)}
-        # Executor set-up as in the stock launcher: plugin keys that are not shared by every
-        # executor get the executor's prefix (srun_args -> slurm_srun_args).
-        params = dict(self.params)
-        folder = params.pop("submitit_folder")
-        init = {f"{self._EXECUTOR}_max_num_timeout": params.pop("max_num_timeout")} \
-            if "max_num_timeout" in params else {}
-        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=folder, **init)
-        shared = set(OmegaConf.structured(BaseQueueConf).keys())
-        executor.update_parameters(**{k if k in shared else f"{self._EXECUTOR}_{k}": v
-                                      for k, v in params.items()})
+        nums = sorted(self.composed)
+        overrides = {num: list(o) for num, o in zip(nums, job_overrides, strict=True)}
+        executor = self._executor(submitit)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        if self.dry_run:
+            self._dry_run(executor, nums, overrides)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info("submitit '%s' sweep output dir: %s", self._EXECUTOR, sweep_dir)
-        nums = sorted(self.composed)
-        for num, overrides in zip(nums, job_overrides, strict=True):
-            log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
+        for num in nums:
+            log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides[num])))
         if self._EXECUTOR == "slurm":
             from app._private import set_slurm_watcher
 
@@ -203,31 +204,179 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
             # Shared by every SlurmJob of this process (submitit's design): jobs register
             # with it when created, so it is set before submitting.
             set_slurm_watcher(SlurmStates())
-        jobs: list[Any] = []
+        jobs: dict[int, Any] = {}
         try:
             with _sigterm_as_interrupt(self._EXECUTOR == "slurm"):
-                jobs = executor.map_array(
-                    self, [list(o) for o in job_overrides], ["hydra.sweep.dir"] * len(nums),
-                    nums, [f"job_id_for_{n}" for n in nums], [Singleton.get_state()] * len(nums))
+                jobs = self._submit(submitit, executor, overrides, sweep_dir)
+                if not self.wait:
+                    return self._detached(jobs, overrides, sweep_dir)
                 log.info("submitted as %s job%s %s; waiting for the results (Ctrl-C stops the "
                          "waiting, not the jobs)", self._EXECUTOR, "s" * (len(jobs) > 1),
-                         ", ".join(job.job_id for job in jobs))
-                return [self._result(job, num, list(o))
-                        for job, num, o in zip(jobs, nums, job_overrides, strict=True)]
+                         ", ".join(jobs[num].job_id for num in nums))
+                return [self._result(jobs[num], num, overrides[num]) for num in nums]
         except KeyboardInterrupt as e:
             if self._EXECUTOR != "slurm":
                 raise  # local jobs are this command's children: they get the Ctrl-C too
-            self._report_left(jobs, nums)
+            self._report_left(jobs)
             code = 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
             log.error("stopped by %s: the waiting ended, not the jobs",
                       "SIGTERM" if code == 128 + signal.SIGTERM else "SIGINT (Ctrl-C)")
             sys.exit(code)
 
+    def _executor(self, submitit: Any) -> Any:
+        """submitit's executor, set up as in the stock launcher: plugin keys that are not shared
+        by every executor get the executor's prefix (srun_args -> slurm_srun_args)."""
+        params = dict(self.params)
+        folder = params.pop("submitit_folder")
+        init = {f"{self._EXECUTOR}_max_num_timeout": params.pop("max_num_timeout")} \
+            if "max_num_timeout" in params else {}
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=folder, **init)
+        shared = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(**{k if k in shared else f"{self._EXECUTOR}_{k}": v
+                                      for k, v in params.items()})
+        return executor
+
+    def _refuse_sweepers_that_need_results(self) -> None:
+        assert self.config is not None
+        sweeper = str(OmegaConf.select(self.config, "hydra.sweeper._target_", default=""))
+        if sweeper and not sweeper.endswith(".BasicSweeper"):
+            log.error("hydra.launcher.wait=false: the sweeper %s chooses each trial from the "
+                      "results of the others, which a command that does not wait never sees; "
+                      "submit it with wait=true (nothing was submitted)", sweeper)
+            sys.exit(2)
+
+    def _submit(self, submitit: Any, executor: Any, overrides: dict[int, list[str]],
+                sweep_dir: Path) -> dict[int, Any]:
+        """Submit every job that is not still queued or running from an earlier submission of
+        the same sweep directory (those are followed instead); record them all."""
+        nums = sorted(overrides)
+        jobs: dict[int, Any] = {}
+        if self._EXECUTOR == "slurm":
+            from . import _submission
+
+            record = _submission.read(sweep_dir)
+            for num, (job_id, state) in _submission.standing(record, overrides).items():
+                log.info("job #%d (slurm job %s) is %s from an earlier submission of this "
+                         "sweep: not submitted again", num, job_id, state)
+                jobs[num] = submitit.SlurmJob(folder=self.params["submitit_folder"],
+                                              job_id=job_id, tasks=range(self._num_tasks()))
+        fresh = [num for num in nums if num not in jobs]
+        jobs.update(self._submit_arrays(submitit, executor, fresh, overrides))
+        if self._EXECUTOR == "slurm":
+            from . import _submission
+
+            for num in fresh:
+                _submission.keep_config(self._run_dir(num), self.composed[num])
+            _submission.write(sweep_dir, self._EXECUTOR, [
+                {"num": num, "job_id": jobs[num].job_id, "overrides": overrides[num],
+                 "run_dir": str(self._run_dir(num)), "tasks": self._num_tasks()}
+                for num in nums], self.wait, str(self.params["submitit_folder"]))
+        return jobs
+
+    def _num_tasks(self) -> int:
+        return int(self.params["nodes"]) * int(self.params["tasks_per_node"])
+
+    def _submit_arrays(self, submitit: Any, executor: Any, nums: list[int],
+                       overrides: dict[int, list[str]]) -> dict[int, Any]:
+        """Submit `nums` as job arrays that fit the cluster's MaxArraySize. When they hold more
+        jobs than array_parallelism, each array waits for the one before it (afterany), so
+        that the cap holds for the whole sweep and not for each array alone."""
+        from ._dry_run import chunks
+
+        limit = None
+        if self._EXECUTOR == "slurm" and len(nums) > 1:
+            from app.slurm import max_array_size
+
+            limit = max_array_size()
+        parts = chunks(nums, limit)
+        cap = self.params.get("array_parallelism")
+        chain = len(parts) > 1 and cap is not None and len(nums) > cap
+        extra = dict(self.params.get("additional_parameters") or {})
+        jobs: dict[int, Any] = {}
+        previous = None
+        for part in parts:
+            if chain and previous is not None:
+                executor.update_parameters(slurm_additional_parameters={
+                    **extra, "dependency": f"afterany:{previous}"})
+            try:
+                submitted = executor.map_array(
+                    self, [overrides[n] for n in part], ["hydra.sweep.dir"] * len(part), part,
+                    [f"job_id_for_{n}" for n in part], [Singleton.get_state()] * len(part))
+            except (submitit.core.utils.FailedJobError,
+                    submitit.core.utils.FailedSubmissionError) as e:
+                self._refused_submission(e, jobs)
+            jobs.update(zip(part, submitted, strict=True))
+            previous = submitted[0].job_id.split("_")[0]
+            if len(parts) > 1:
+                log.info("jobs #%d-#%d: %s job %s", part[0], part[-1], self._EXECUTOR, previous)
+        if chain:
+            executor.update_parameters(slurm_additional_parameters=extra)
+        return jobs
+
+    def _refused_submission(self, e: Exception, submitted: dict[int, Any]) -> None:
+        """sbatch refused the job (a partition that does not exist, a limit): its own words,
+        in one line, instead of submitit's traceback."""
+        text = str(e)
+        said = [line.strip() for line in text.splitlines() if "sbatch: error" in line]
+        reason = said[-1] if said else (text.strip().splitlines() or [type(e).__name__])[0]
+        more = "" if not submitted else (
+            f"; jobs submitted before it go on: {', '.join(j.job_id for j in submitted.values())}")
+        log.error("%s refused the submission: %s (check it first with "
+                  "hydra.launcher.dry_run=true)%s", self._EXECUTOR, reason, more)
+        sys.exit(1)
+
+    def _detached(self, jobs: dict[int, Any], overrides: dict[int, list[str]],
+                  sweep_dir: Path) -> list[JobReturn]:
+        """wait=false: one line per job and how to follow them; no result is waited for."""
+        for num in sorted(jobs):
+            log.info("job #%d (%s job %s): %s -> %s", num, self._EXECUTOR, jobs[num].job_id,
+                     " ".join(filter_overrides(overrides[num])) or "(no overrides)",
+                     self._run_dir(num))
+        ids = sorted({job.job_id.split("_")[0] for job in jobs.values()})
+        log.info("%d job(s) submitted; this command does not wait for them. Follow them with "
+                 "`python -m app.status %s`, summarise them once they end with "
+                 "`python -m app.report %s`, cancel them with `scancel %s`", len(jobs),
+                 sweep_dir, sweep_dir, " ".join(ids))
+        returns = []
+        for num in sorted(jobs):
+            ret = JobReturn(overrides=overrides[num], status=JobStatus.COMPLETED,
+                            working_dir=str(self._run_dir(num)))
+            ret.return_value = None  # (not waited for)
+            returns.append(ret)
+        return returns
+
+    def _dry_run(self, executor: Any, nums: list[int], overrides: dict[int, list[str]]) -> None:
+        """Print what would be submitted and what the cluster would refuse; exit (0 if it
+        fits, 2 if not) without submitting."""
+        from app._private import sbatch_script
+        from app.slurm import max_array_size
+
+        from ._dry_run import arithmetic, chunks, problems
+
+        limit = max_array_size() if self._EXECUTOR == "slurm" else None
+        parts = chunks(nums, limit)
+        for part in parts:
+            print(f"# sbatch script of jobs #{part[0]}-#{part[-1]} ({len(part)} job(s))"
+                  if len(part) > 1 else f"# sbatch script of job #{part[0]}")
+            print(sbatch_script(executor, len(part)))
+        for num in nums:
+            print(f"job #{num}: {' '.join(filter_overrides(overrides[num])) or '(no overrides)'}"
+                  f" -> {self._run_dir(num)}")
+        for line in arithmetic(self.params, len(nums), [len(p) for p in parts]):
+            print(line)
+        if limit:
+            print(f"the cluster's MaxArraySize is {limit}: an array holds at most {limit} jobs")
+        found = problems(self.params, len(nums)) if self._EXECUTOR == "slurm" else []
+        for problem in found:
+            print(f"problem: {problem}")
+        print(f"dry run: nothing was submitted; {len(found)} problem(s) found")
+        sys.exit(2 if found else 0)
+
     def _run_dir(self, num: int) -> Path:
         sweep = self.composed[num].hydra.sweep
         return Path(str(sweep.dir), str(sweep.subdir))
 
-    def _report_left(self, jobs: list[Any], nums: list[int]) -> None:
+    def _report_left(self, jobs: dict[int, Any]) -> None:
         """After Ctrl-C: the jobs that go on without this command, and how to follow them."""
         from app._private import slurm_watcher
 
@@ -241,7 +390,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
             slurm_watcher().update()
         except KeyboardInterrupt:  # a second Ctrl-C: the states known so far will do
             pass
-        for job, num in zip(jobs, nums, strict=True):
+        for num, job in sorted(jobs.items()):
             state = slurm_watcher().get_state(job.job_id, mode="cache").split()[0]
             finished = all(job.task(t).paths.result_pickle.exists()
                            for t in range(job.num_tasks))

@@ -1,0 +1,188 @@
+"""`python -m app.status DIR`: one line per job of a sweep directory (or for one run
+directory): queued, running at step N of M, requeued K times, completed with its metric,
+failed with its task and error, cancelled, preempted and waiting to run again.
+
+States come from Slurm (`app.slurm`: the controller lists a job until MinJobAge after its
+end, sacct where there is accounting) for the jobs a submission recorded
+(`submission.json`), and from the run directories otherwise (result.json, metrics.csv, the
+run's lock, train.log). Exits 1 while any job has failed (or ended without completing), 0
+otherwise, 2 for a path that is neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from app import slurm
+from app.launch.run_lock import LOCK_NAME
+from app.reporting.summary import collect, job_summary
+
+PROGRESS = re.compile(r"\] - step (\d+)/(\d+) ")  # the loop's log line: "step N/M epoch E: ..."
+TAIL_BYTES = 1 << 16  # of train.log, where the last progress line is
+# How a job that did not complete ended (the command exits 1 while any did).
+ENDED_BADLY = {"failed", "cancelled", "interrupted", "ended"}
+
+
+def progress(run_dir: Path) -> tuple[int, int] | None:
+    """The step and the total steps of the last progress line in the run's log."""
+    path = run_dir / "train.log"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = PROGRESS.findall(text)
+    return (int(found[-1][0]), int(found[-1][1])) if found else None
+
+
+def holder(run_dir: Path) -> int | None:
+    """The pid of a live process on this host that holds the run's lock (a local run)."""
+    try:
+        pid, host = (run_dir / LOCK_NAME).read_text().split()
+        os.kill(int(pid), 0)
+    except (OSError, ValueError):
+        return None
+    return int(pid) if host == os.uname().nodename else None
+
+
+def _metric(summary: dict[str, Any]) -> str:
+    if summary["best"] is None:
+        return f"step {summary['steps'] or 0}"
+    return f"best {summary['monitor']} {summary['best']:.6g}, step {summary['steps'] or 0}"
+
+
+def _where(run_dir: Path) -> str:
+    done = progress(run_dir)
+    return "" if done is None else f" at step {done[0]} of {done[1]}"
+
+
+def from_run_dir(run_dir: Path) -> tuple[str, str]:
+    """(status, what to say) from what the run directory holds."""
+    if not run_dir.is_dir():
+        return "not started", "not started (no run directory yet)"
+    summary = job_summary(run_dir)
+    status = summary["status"]
+    again = f", {summary['attempts']} attempts" if (summary["attempts"] or 0) > 1 else ""
+    if status == "completed":
+        return status, f"completed: {_metric(summary)}{again}"
+    if status in ENDED_BADLY:
+        return status, f"{status}{_where(run_dir)}: {summary['error'] or 'no error recorded'}"
+    pid = holder(run_dir)
+    if pid is not None:
+        return "running", f"running{_where(run_dir)} (pid {pid}){again}"
+    if status == "no result" and not (run_dir / "train.log").exists():
+        return "not started", "not started"
+    return "ended", f"ended without a result{_where(run_dir)} (killed?)"
+
+
+def from_slurm(job: slurm.Job, run_dir: Path, failure: str | None) -> tuple[str, str]:
+    """(status, what to say) of a job Slurm still lists."""
+    again = f", requeued {job.restarts} time(s)" if job.restarts else ""
+    state, reason = job.state, job.reason
+    if state == "PENDING":
+        why = "held" if reason == "JobHeldUser" else f"PENDING: {reason}" if reason and \
+            reason != "None" else "PENDING"
+        if job.restarts:
+            return "queued", f"waiting to run again{_where(run_dir)} ({why}){again}"
+        return "queued", f"queued ({why})"
+    if state in ("RUNNING", "COMPLETING", "CONFIGURING"):
+        return "running", f"running on {job.nodes or '?'}{_where(run_dir)}{again}"
+    if state in ("SUSPENDED", "PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+                 "RESIZING", "STOPPED"):
+        return "queued", f"{state.lower()}{_where(run_dir)}, waiting to run again{again}"
+    status, said = from_run_dir(run_dir)
+    if state == "COMPLETED" and status == "completed":
+        return status, said + again
+    if state == "CANCELLED":
+        return "cancelled", f"cancelled{_where(run_dir)}{again}"
+    if failure:
+        what = failure
+    elif status in ("failed", "interrupted"):
+        what = said
+    elif status == "ended":  # (the state says why)
+        what = f"ended without a result{_where(run_dir)}"
+    else:
+        what = f"exit {job.exit_code or '?'}"
+    return "failed", f"{state}: {what}{again}"
+
+
+def failure_of(record: dict[str, Any], sweep_dir: Path, job: dict[str, Any], state: str
+               ) -> str | None:
+    """How a Slurm job that ended without completing failed: its task and error (from the
+    tasks' results and srun's report), as the waiting command reports it."""
+    if state not in slurm.FINAL or state == "COMPLETED":
+        return None
+    try:
+        import submitit
+
+        from hydra_plugins.app_submitit._job_report import describe, outcomes
+    except ImportError:
+        return None
+    folder = record.get("submitit_folder") or str(sweep_dir / ".submitit" / "%j")
+    sjob = submitit.SlurmJob(folder=folder, job_id=job["job_id"],
+                             tasks=range(int(job.get("tasks", 1))))
+    results = outcomes(sjob, grace_s=0)
+    if all(r is not None and r[0] == "success" for r in results):
+        return None
+    task, what, _ = describe(sjob, state, results)
+    return f"failed{'' if task is None else f' in task {task}'}: {what}"
+
+
+def sweep_lines(sweep_dir: Path) -> list[tuple[str, str]]:
+    """(status, line) per job of a sweep directory."""
+    from hydra_plugins.app_submitit._submission import jobs_by_num, read
+
+    record = read(sweep_dir)
+    recorded = jobs_by_num(record)
+    if not recorded:  # a sweep that was waited for, or run locally: its run directories
+        return [(s, f"job #{job['job']}: {said} [{job['overrides']}]")
+                for job in collect(sweep_dir)
+                for s, said in [from_run_dir(Path(job["run_dir"]))]]
+    known = slurm.states([job["job_id"] for job in recorded.values()]) or {}
+    lines = []
+    for num, job in sorted(recorded.items()):
+        run_dir = Path(job["run_dir"])
+        listed = known.get(job["job_id"])
+        if listed is None or listed.state == "GONE":  # forgotten by Slurm: the run directory
+            status, said = from_run_dir(run_dir)
+            if status == "not started" and listed is not None:
+                status, said = "ended", "ended without starting (Slurm no longer lists it)"
+        else:
+            failure = failure_of(record, sweep_dir, job, listed.state)
+            status, said = from_slurm(listed, run_dir, failure)
+        params = " ".join(o for o in job.get("overrides", []) if not o.startswith("hydra."))
+        lines.append((status, f"job #{num} (slurm job {job['job_id']}): {said} [{params}]"))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.status", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", type=Path, help="a sweep directory or a run directory")
+    path = parser.parse_args(argv).path
+    if (path / "submission.json").is_file() or any(path.glob("*/.hydra/overrides.yaml")):
+        lines = sweep_lines(path)
+    elif (path / ".hydra").is_dir() or (path / "metrics.csv").is_file():
+        status, said = from_run_dir(path)
+        lines = [(status, f"run {path}: {said}")]
+    else:
+        print(f"error: {path} is neither a sweep directory (submission.json or job folders "
+              f"with .hydra/) nor a run directory (.hydra/, metrics.csv)", file=sys.stderr)
+        return 2
+    for _, line in lines:
+        print(line)
+    counts: dict[str, int] = {}
+    for status, _ in lines:
+        counts[status] = counts.get(status, 0) + 1
+    print(f"{len(lines)} job(s): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    return 1 if any(s in ENDED_BADLY for s in counts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

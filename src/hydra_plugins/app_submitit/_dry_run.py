@@ -1,0 +1,83 @@
+"""`hydra.launcher.dry_run=true`: what a Slurm submission would ask for, checked against the
+cluster, with nothing submitted: the sbatch script of each array, the arithmetic (nodes x
+tasks, GPUs, CPUs and memory per node, time limit) and every request the cluster cannot
+grant (no such partition, over its time or node limit, more CPUs, memory or GPUs than a node
+has). The module name starts with "_": Hydra's plugin scan skips it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app import slurm
+
+
+def arithmetic(params: dict[str, Any], num_jobs: int, arrays: list[int]) -> list[str]:
+    """The resources of one job, and how the sweep is submitted, in plain lines."""
+    nodes, tasks = params["nodes"], params["tasks_per_node"]
+    cpus = (params.get("cpus_per_task") or 1) * tasks
+    gpus = params.get("gpus_per_node") or 0
+    mem = params.get("mem_gb")
+    lines = [
+        f"each job: {nodes} node(s) x {tasks} task(s) = {nodes * tasks} rank(s); per node "
+        f"{gpus} GPU(s), {cpus} CPU(s) ({params.get('cpus_per_task') or 1} per task), "
+        f"{'the partition default' if mem is None else f'{mem} GB'} of memory",
+        f"time limit {params['timeout_min']} min per run; requeued up to "
+        f"{params.get('max_num_timeout', 0)} time(s) at the limit (it resumes)",
+        f"{num_jobs} job(s) in {len(arrays)} submission(s) of {', '.join(map(str, arrays))} "
+        f"job(s), at most {params.get('array_parallelism', num_jobs)} running at once",
+    ]
+    return lines
+
+
+def problems(params: dict[str, Any], num_jobs: int) -> list[str]:
+    """What the cluster would refuse or never run; [] when Slurm does not answer (said)."""
+    partitions, nodes = slurm.partitions(), slurm.nodes()
+    if partitions is None or nodes is None:
+        return ["Slurm does not answer here (scontrol failed): nothing could be checked"]
+    name = params.get("partition") or slurm.default_partition(partitions)
+    if name is None:
+        return ["no partition given (hydra.launcher.partition) and the cluster has no "
+                "default one"]
+    if name not in partitions:
+        return [f"hydra.launcher.partition={name}: no such partition; the cluster has "
+                f"{', '.join(sorted(partitions))}"]
+    found: list[str] = []
+    part = partitions[name]
+    if part.get("State", "UP") != "UP":
+        found.append(f"partition {name} is {part['State']}: jobs would wait")
+    limit = slurm.minutes(part.get("MaxTime", ""))
+    if limit is not None and params["timeout_min"] > limit:
+        found.append(f"hydra.launcher.timeout_min={params['timeout_min']}: over partition "
+                     f"{name}'s MaxTime of {limit:g} min")
+    members = [n for n, f in nodes.items() if name in f.get("Partitions", "").split(",")]
+    max_nodes = part.get("MaxNodes", "UNLIMITED")
+    if max_nodes.isdigit() and params["nodes"] > int(max_nodes) or \
+            params["nodes"] > len(members):
+        found.append(f"nodes={params['nodes']}: partition {name} has {len(members)} node(s)"
+                     + (f", at most {max_nodes} per job" if max_nodes.isdigit() else ""))
+    cpus = (params.get("cpus_per_task") or 1) * params["tasks_per_node"]
+    gpus = params.get("gpus_per_node") or 0
+    mem_mb = None if params.get("mem_gb") is None else params["mem_gb"] * 1024
+    fitting = [n for n in members
+               if int(nodes[n].get("CPUTot", "0")) >= cpus
+               and (mem_mb is None or int(nodes[n].get("RealMemory", "0")) >= mem_mb)
+               and slurm.gpus(nodes[n].get("Gres", "")) >= gpus]
+    if len(fitting) < params["nodes"]:
+        most = max(members, key=lambda n: int(nodes[n].get("CPUTot", "0")), default=None)
+        have = "" if most is None else (
+            f" (node {most}: {nodes[most].get('CPUTot')} CPUs, "
+            f"{int(nodes[most].get('RealMemory', '0')) / 1024:g} GB, "
+            f"{slurm.gpus(nodes[most].get('Gres', ''))} GPUs)")
+        found.append(f"a node must offer {cpus} CPU(s), "
+                     f"{'' if mem_mb is None else f'{mem_mb / 1024:g} GB, '}{gpus} GPU(s): "
+                     f"{len(fitting)} of partition {name}'s nodes do, {params['nodes']} "
+                     f"needed{have}")
+    return found
+
+
+def chunks(nums: list[int], max_array_size: int | None) -> list[list[int]]:
+    """The jobs of each array to submit: an array's task ids must stay below MaxArraySize."""
+    size = max(1, max_array_size or len(nums))
+    return [nums[start:start + size] for start in range(0, len(nums), size)]
+

@@ -1,0 +1,230 @@
+"""Cluster operations on the local Slurm cluster (`make slurm-up`): a detached sweep (submit and
+walk away; `python -m app.status`, `python -m app.report`), no job submitted twice, a dry run
+that submits nothing, sweeps larger than MaxArraySize; and the status lines themselves,
+in-process, for every state a job can be in."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app import slurm, status
+from conftest import HELPERS, REPO, TINY
+from hydra_plugins.app_submitit._dry_run import chunks
+
+sys.path.insert(0, str(HELPERS))
+from slurm_cluster import job_ids, slurm_cluster, submit, wait_for  # noqa: E402, F401
+
+# The cluster's tests need it (skipped without one outside CI); the in-process ones do not.
+on_the_cluster = pytest.mark.usefixtures("slurm_cluster")
+
+
+def _app_module(module: str, path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _recorded(sweep: Path) -> dict[int, str]:
+    record = json.loads((sweep / "submission.json").read_text())
+    return {job["num"]: job["job_id"] for job in record["jobs"]}
+
+
+def _scancel(sweep: Path) -> None:
+    if (sweep / "submission.json").is_file():
+        subprocess.run(["scancel", *{j.split("_")[0] for j in _recorded(sweep).values()}])
+
+
+# -- in-process: what Slurm's answers mean ------------------------------------------------------
+
+def test_slurm_answers_are_read() -> None:
+    assert slurm._task_ids("0-3,7%2") == ["0", "1", "2", "3", "7"]
+    assert slurm.minutes("UNLIMITED") is None
+    assert [slurm.minutes(t) for t in ("60", "1:30:00", "2-00:00:00", "5:00")] == \
+        [60, 90, 2880, 5]
+    assert slurm.gpus("gpu:a100:8(S:0-1),gpu:2") == 10 and slurm.gpus("(null)") == 0
+    # An array's task ids stay below MaxArraySize: 10 jobs with MaxArraySize=4.
+    assert chunks(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert chunks([3, 4], None) == [[3, 4]]
+
+
+def _run_dir(tmp_path: Path, result: dict | None = None, steps: int = 0, total: int = 40,
+             attempts: int = 1) -> Path:
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    lines = [f"[2026-12-03 10:00:0{a},000][app.reporting.summary][INFO] - attempt started: pid 1"
+             for a in range(attempts)]
+    lines += [f"[2026-12-03 10:00:09,000][app.training.loop][INFO] - step {s}/{total} epoch 0: "
+              f"loss 1.0 lr 1e-3" for s in range(1, steps + 1)]
+    (run_dir / "train.log").write_text("\n".join(lines) + "\n")
+    if steps:
+        (run_dir / "metrics.csv").write_text(
+            "step,epoch,split,loss,acc\n" + "".join(f"{s},0,val,1.0,0.{s}\n"
+                                                   for s in range(1, steps + 1)))
+    if result is not None:
+        (run_dir / "result.json").write_text(json.dumps(result))
+    return run_dir
+
+
+@pytest.mark.parametrize(("job", "files", "expected", "said"), [
+    (slurm.Job("1_0", "PENDING", "JobHeldUser"), {}, "queued", "queued (held)"),
+    (slurm.Job("1_0", "PENDING", "Resources"), {}, "queued", "queued (PENDING: Resources)"),
+    (slurm.Job("1_0", "PENDING", "BeginTime", restarts=2), {"steps": 7}, "queued",
+     "waiting to run again at step 7 of 40 (PENDING: BeginTime), requeued 2 time(s)"),
+    (slurm.Job("1_0", "RUNNING", nodes="node2"), {"steps": 12}, "running",
+     "running on node2 at step 12 of 40"),
+    (slurm.Job("1_0", "PREEMPTED"), {"steps": 3}, "queued",
+     "preempted at step 3 of 40, waiting to run again"),
+    (slurm.Job("1_0", "COMPLETED", restarts=1),
+     {"steps": 9, "result": {"status": "completed", "wall_s": 5}, "attempts": 2}, "completed",
+     "completed: best val/acc 0.9, step 9, 2 attempts, requeued 1 time(s)"),
+    (slurm.Job("1_0", "FAILED", exit_code="1:0"),
+     {"steps": 2, "result": {"status": "failed", "error": "RuntimeError: boom"}}, "failed",
+     "FAILED: failed at step 2 of 40: RuntimeError: boom"),
+    (slurm.Job("1_0", "CANCELLED"), {"steps": 4}, "cancelled", "cancelled at step 4 of 40"),
+    (slurm.Job("1_0", "NODE_FAIL", exit_code="0:0"), {"steps": 4}, "failed",
+     "NODE_FAIL: ended without a result at step 4 of 40"),
+    (slurm.Job("1_0", "TIMEOUT", exit_code="0:15"), {}, "failed",
+     "TIMEOUT: ended without a result"),
+], ids=["held", "queued", "requeued-waiting", "running", "preempted", "completed", "failed",
+        "cancelled", "node-fail", "timeout"])
+def test_each_slurm_state_is_one_line(tmp_path, job, files, expected, said) -> None:
+    run_dir = _run_dir(tmp_path, files.get("result"), files.get("steps", 0),
+                       attempts=files.get("attempts", 1))
+    assert status.from_slurm(job, run_dir, None) == (expected, said)
+
+
+def test_a_job_slurm_forgot_is_read_from_its_run_directory(tmp_path) -> None:
+    assert status.from_run_dir(tmp_path / "none")[0] == "not started"
+    run_dir = _run_dir(tmp_path, None, steps=5)
+    assert status.from_run_dir(run_dir) == ("ended",
+                                            "ended without a result at step 5 of 40 (killed?)")
+    (run_dir / ".run.lock").write_text(f"{__import__('os').getpid()} "
+                                       f"{__import__('os').uname().nodename}\n")
+    assert status.from_run_dir(run_dir) == ("running", f"running at step 5 of 40 (pid "
+                                                       f"{__import__('os').getpid()})")
+
+
+def test_status_of_a_run_directory_and_of_nothing(tmp_path) -> None:
+    run_dir = _run_dir(tmp_path, {"status": "completed", "wall_s": 1.0}, steps=3)
+    done = _app_module("app.status", run_dir)
+    assert done.returncode == 0 and "completed: best val/acc 0.3, step 3" in done.stdout
+    nothing = _app_module("app.status", tmp_path / "nowhere")
+    assert nothing.returncode == 2 and "neither a sweep directory" in nothing.stderr
+
+
+# -- on the cluster ------------------------------------------------------------------------------
+
+@on_the_cluster
+def test_a_detached_sweep_is_followed_then_summarised(tmp_path) -> None:
+    """Submit 4 jobs and exit at once; status while they are held, running and done (one
+    fails: its error is named and status exits 1); the same command again submits nothing
+    that is queued; app.report summarises them."""
+    sweep = tmp_path / "sweep"
+    sweep_args = ["hydra.launcher.wait=false", "+hydra.launcher.additional_parameters.hold=true",
+                  *TINY, "trainer.max_epochs=3", "model._target_=faults.FaultyCNN",
+                  "+model.fault=raise", "+model.fault_rank=0",
+                  "+model.fault_call=5,90000,90001,90002"]  # (job #0 fails at its 5th step)
+    try:
+        started = time.monotonic()
+        first = submit(sweep, *sweep_args, timeout=120)
+        output = first.stdout + first.stderr
+        assert first.returncode == 0, output[-3000:]
+        assert "4 job(s) submitted; this command does not wait for them" in output
+        assert f"python -m app.status {sweep}" in output
+        ids = _recorded(sweep)
+        assert sorted(ids) == [0, 1, 2, 3] and len(set(ids.values())) == 4
+        for num, job_id in ids.items():
+            assert f"job #{num} (slurm job {job_id}): " in output
+            assert (sweep / str(num) / ".hydra" / "submitted.yaml").is_file()
+        held = _app_module("app.status", sweep)
+        assert held.returncode == 0, held.stdout + held.stderr
+        assert held.stdout.count(": queued (held)") == 4, held.stdout
+        # The same command again: every job is still queued, none is submitted twice.
+        again = submit(sweep, *sweep_args, timeout=120)
+        assert again.returncode == 0
+        assert (again.stdout + again.stderr).count("not submitted again") == 4
+        assert _recorded(sweep) == ids
+        assert {j.split("_")[0] for j in job_ids(sweep)} == {ids[0].split("_")[0]}  # one array
+        subprocess.run(["scontrol", "release", next(iter(ids.values())).split("_")[0]],
+                       check=True)
+        seen: list[str] = []
+
+        def ended() -> bool:
+            seen.append(_app_module("app.status", sweep).stdout)
+            return "4 job(s): 3 completed, 1 failed" in seen[-1]
+
+        wait_for(ended, 300, "the 4 jobs to end", every=0.5)
+        assert any(" running on node" in s and " of " in s for s in seen), seen
+        final = _app_module("app.status", sweep)
+        assert final.returncode == 1  # a job failed
+        failed = [line for line in final.stdout.splitlines() if "failed" in line.lower()
+                  and line.startswith("job #")]
+        assert len(failed) == 1 and "RuntimeError: injected fault" in failed[0], final.stdout
+        report = _app_module("app.report", sweep)
+        assert report.returncode == 0, report.stderr
+        rows = (sweep / "summary.csv").read_text().splitlines()[1:]
+        assert len(rows) == 4 and sum(",completed," in r for r in rows) == 3, rows
+        print(f"detached sweep: submitted and ended in {time.monotonic() - started:.0f} s")
+    finally:
+        _scancel(sweep)
+
+
+@on_the_cluster
+def test_a_dry_run_prints_the_request_and_submits_nothing(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    fits = submit(sweep, "hydra.launcher.dry_run=true", "optimizer.lr=0.1,0.01", *TINY,
+                  timeout=120)
+    assert fits.returncode == 0, fits.stdout + fits.stderr
+    assert "#SBATCH --array=0-1%2" in fits.stdout and "#SBATCH --mem=1GB" in fits.stdout
+    assert "each job: 1 node(s) x 1 task(s) = 1 rank(s); per node 0 GPU(s), 1 CPU(s)" in \
+        fits.stdout
+    assert "dry run: nothing was submitted; 0 problem(s) found" in fits.stdout
+    refused = submit(sweep, "hydra.launcher.dry_run=true", "hydra.launcher.partition=gpu",
+                     "nodes=3", "hydra.launcher.cpus_per_task=64", *TINY, timeout=120)
+    assert refused.returncode == 2
+    assert "problem: hydra.launcher.partition=gpu: no such partition; the cluster has debug" \
+        in refused.stdout
+    too_big = submit(sweep, "hydra.launcher.dry_run=true", "nodes=3",
+                     "hydra.launcher.cpus_per_task=64", *TINY, timeout=120)
+    assert too_big.returncode == 2
+    assert "problem: nodes=3: partition debug has 2 node(s)" in too_big.stdout
+    assert "a node must offer 64 CPU(s), 1 GB, 0 GPU(s): 0 of partition debug's nodes do" in \
+        too_big.stdout
+    assert not (sweep / ".submitit").exists() and not (sweep / "submission.json").exists()
+
+
+@on_the_cluster
+def test_a_sweep_larger_than_max_array_size_runs_complete(tmp_path) -> None:
+    """The test cluster's MaxArraySize is 4 (scripts/slurm-local.sh): 6 jobs go as arrays of 4
+    and 2, the second after the first (array_parallelism=2 caps the sweep, not each array)."""
+    limit = slurm.max_array_size()
+    assert limit == 4, f"the test cluster's MaxArraySize is {limit}: run `make slurm-up`"
+    sweep = tmp_path / "sweep"
+    result = submit(sweep, "optimizer.lr=0.01,0.02,0.03,0.04,0.05,0.06", *TINY,
+                    "trainer.max_epochs=1", "hydra.launcher.array_parallelism=2", timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    ids = _recorded(sweep)
+    arrays = sorted({j.split("_")[0] for j in ids.values()}, key=int)
+    assert len(arrays) == 2
+    assert [sum(j.startswith(f"{a}_") for j in ids.values()) for a in arrays] == [4, 2]
+    assert f"jobs #4-#5: slurm job {arrays[1]}" in output
+    rows = (sweep / "summary.csv").read_text().splitlines()[1:]
+    assert len(rows) == 6 and all(",completed," in r for r in rows), rows
+
+
+@on_the_cluster
+def test_a_sweeper_that_needs_results_refuses_to_detach(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    result = submit(sweep, "hparams_search=digits_optuna", "hydra.launcher.wait=false", *TINY,
+                    timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "hydra.launcher.wait=false: the sweeper" in output and "nothing was submitted" in \
+        output
+    assert "Traceback" not in output and not (sweep / ".submitit").exists()
