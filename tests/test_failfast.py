@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -186,10 +187,11 @@ def test_a_killed_worker_server_ends_the_workers_in_one_line(tmp_path) -> None:
     assert "exit codes" not in output and "Traceback" not in output
 
 
-def test_a_sigterm_after_the_run_completed_leaves_it_completed(tmp_path) -> None:
+@pytest.mark.parametrize("devices", ["devices=1", "devices=2"])
+def test_a_sigterm_after_the_run_completed_leaves_it_completed(tmp_path, devices) -> None:
     run_dir = tmp_path / "run"
     # (the helper callback keeps the process 5 s after its job: the window to signal it in)
-    proc = _start(run_dir, *TINY, "devices=2", "trainer.max_epochs=1",
+    proc = _start(run_dir, *TINY, devices, "trainer.max_epochs=1",
                   "+hydra.callbacks.linger._target_=linger.Linger",
                   "+hydra.callbacks.linger.seconds=5")
     result = run_dir / "result.json"
@@ -203,12 +205,43 @@ def test_a_sigterm_after_the_run_completed_leaves_it_completed(tmp_path) -> None
     assert "SIGTERM arrived after the run had completed: nothing was stopped" in output
 
 
+FINALIZING = """
+import sys, time
+from app.launch.completed import stop_signals_stop_nothing
+stop_signals_stop_nothing()
+class Slow:  # a module global: its __del__ runs as the interpreter finalizes
+    def __del__(self):
+        print("finalizing", flush=True)
+        time.sleep(2)
+slow = Slow()
+"""
+
+
+def test_a_signal_while_the_process_finalizes_stops_nothing(tmp_path) -> None:
+    """Python puts back the default action of the signals it handles when it finalizes (torch's
+    clean-up makes that a few tenths of a second): a SIGTERM there ended a completed run with
+    -15. From the first exit handler on, the stop signals are ignored."""
+    out = tmp_path / "out.txt"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", FINALIZING], cwd=REPO, stdout=sink,
+                                stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while "finalizing" not in out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, out.read_text()
+
+
 def test_a_killed_launcher_leaves_nothing_behind_after_the_next_start(tmp_path) -> None:
     run_dir = tmp_path / "run"
     proc = _start(run_dir, *TINY, "devices=2", "trainer.max_epochs=400")
     wait_for_rows(run_dir, 30)
     reports = list(run_dir.glob(".workers-*"))  # the workers' reports, in the run directory
     assert len(reports) == 1 and str(proc.pid) in reports[0].name
+    # multiprocessing's folder of sockets (the worker server's): Python's own (pymp-*) was
+    # left for good by a launcher killed with SIGKILL.
+    sockets = list(Path(tempfile.gettempdir()).glob(f"app-mp-{proc.pid}-*"))
+    assert len(sockets) == 1
     proc.kill()
     proc.wait()
     assert not still_alive(worker_pids(run_dir))
@@ -216,3 +249,4 @@ def test_a_killed_launcher_leaves_nothing_behind_after_the_next_start(tmp_path) 
     live.mkdir()
     assert_ok(run_app(run_dir, *TINY, "devices=2", "trainer.max_epochs=1"))  # already finished
     assert [p.name for p in run_dir.glob(".workers-*")] == [live.name]
+    assert not sockets[0].exists()

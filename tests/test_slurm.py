@@ -118,16 +118,18 @@ def test_preempted_job_requeues_and_finishes_bit_identical(tmp_path) -> None:
 
 
 def test_a_failing_rank_fails_the_job_promptly(tmp_path) -> None:
+    """Rank 0 is ended with the job (srun's kill-on-bad-exit), not by its collective's
+    600 s timeout: the command returns well within it (a hang guard, not a measured time)."""
     sweep = tmp_path / "sweep"
     result = submit(sweep, "devices=2", *TINY, "model._target_=faults.FaultyCNN",
-                    "+model.fault=raise", "distributed.timeout_s=600")
+                    "+model.fault=raise", "distributed.timeout_s=600", timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "RuntimeError: injected fault" in output and "job #0" in output
     (job,) = job_ids(sweep)
     assert final_state(job) == "FAILED"
-    minutes, seconds = job_field(job, "RunTime").split(":")[-2:]
-    assert int(minutes) * 60 + int(seconds) < 60  # rank 0 did not wait for the 600 s timeout
+    rank0 = (sweep / "0" / "logs" / "rank0.log").read_text().lower()
+    assert "timed out" not in rank0 and "timeout" not in rank0.replace("timeout_s", "")
 
 
 def test_an_invalid_config_submits_nothing(tmp_path) -> None:

@@ -242,3 +242,15 @@ def test_the_worker_server_ignores_ctrl_c_while_it_imports_torch() -> None:
     ignored = int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
     assert ignored & (1 << (signal.SIGINT - 1)), status
     assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # ours is put back
+
+
+def test_the_resume_hint_names_the_sweep_for_a_job_of_a_sweep(tmp_path) -> None:
+    """A stopped job of a sweep (Slurm too) resumes with the sweep's command; told to rerun
+    its run directory alone, it would have resumed locally, outside its sweep."""
+    from app.run_name import resume_hint
+
+    assert resume_hint(tmp_path / "run") == f"run again with hydra.run.dir={tmp_path / 'run'} " \
+                                            f"to resume"
+    (tmp_path / "multirun.yaml").write_text("hydra: {}\n")
+    assert resume_hint(tmp_path / "3") == f"run the sweep's command again with " \
+                                          f"hydra.sweep.dir={tmp_path} to resume"

@@ -20,6 +20,7 @@ from app.conf_dir import config_dir
 from app.config import register_schemas, to_app_config
 from app.env import enter, reproducible_matmuls, this_process
 from app.errors import AppError, Interrupted, RunDirInUse, UserError, one_line
+from app.launch.completed import stop_signals_stop_nothing
 from app.launch.plan import launch, spawns_workers
 from app.launch.run_lock import owns_run, take
 from app.launch.spawn import prestart
@@ -66,6 +67,8 @@ def main(dict_cfg: DictConfig) -> float | None:
         result = launch(cfg, run_dir, env)
         if record:
             write_result(run_dir, "completed", time.monotonic() - started)
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            stop_signals_stop_nothing()  # (a sweep's next job has not begun: it may stop)
     except BaseException as e:
         stopped = isinstance(e, (Interrupted, KeyboardInterrupt))  # by a signal
         if record and not isinstance(e, RunDirInUse):  # (then the run is another command's)

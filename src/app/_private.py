@@ -63,6 +63,21 @@ def forkserver_pid() -> int | None:
         return None
 
 
+def set_multiprocessing_tempdir(path: str) -> bool:
+    """Make `path` the folder multiprocessing keeps its sockets in (the worker server's
+    listener), instead of a `pymp-*` folder it names itself; False when it has one already.
+    multiprocessing.util.get_temp_dir reads it from the process's private config."""
+    import multiprocessing.process
+
+    config = _attr(multiprocessing.process.current_process(), "_config")
+    if not isinstance(config, dict):
+        raise InternalMissing("multiprocessing's process config is not a dict")
+    if config.get("tempdir") is not None:
+        return False
+    config["tempdir"] = path
+    return True
+
+
 # Hydra --------------------------------------------------------------------------------------
 
 def hydra_entry_utils() -> Any | None:

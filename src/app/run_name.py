@@ -10,6 +10,7 @@ import os
 import re
 from collections.abc import Mapping
 from datetime import datetime
+from pathlib import Path
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -39,3 +40,13 @@ def run_name(env: Mapping[str, str] | None = None, now: datetime | None = None) 
         return f"slurm/{env.get('SLURM_JOB_ID', 'job')}.{env.get('SLURM_STEP_ID', '0')}"
     now = now or datetime.now()
     return f"{now:%Y-%m-%d}/{now:%H-%M-%S-%f}"
+
+
+def resume_hint(run_dir: Path) -> str:
+    """How to resume a stopped run: a job of a sweep (Hydra's multirun.yaml beside it) is
+    resumed by the sweep's command with its sweep directory (on the same launcher, Slurm
+    too), a single run by its run directory."""
+    sweep = run_dir.parent
+    if (sweep / "multirun.yaml").is_file():
+        return f"run the sweep's command again with hydra.sweep.dir={sweep} to resume"
+    return f"run again with hydra.run.dir={run_dir} to resume"

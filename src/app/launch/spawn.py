@@ -18,14 +18,18 @@ import select
 import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app._private import forkserver_pid as _forkserver_pid
+from app._private import set_multiprocessing_tempdir
 from app.config import AppConfig, Mode
-from app.errors import Interrupted, WorkerFailed
+from app.errors import InternalMissing, Interrupted, WorkerFailed
+from app.launch.completed import stop_signals_stop_nothing
+from app.run_name import resume_hint
 
 if TYPE_CHECKING:
     from app.launch.plan import Plan
@@ -47,11 +51,34 @@ def prestart(cfg: AppConfig) -> None:
         _start_worker_server()
 
 
+MP_TEMP_PREFIX = "app-mp-"  # + the launcher's pid: multiprocessing's folder of sockets
+
+
+def _own_temp_dir() -> None:
+    """multiprocessing's folder of sockets, named for this process: a launcher killed by
+    SIGKILL cannot remove its own (Python's `pymp-*` folders were left for good), so each
+    start removes those of launchers of this host that are gone."""
+    base = Path(tempfile.gettempdir())
+    for old in base.glob(f"{MP_TEMP_PREFIX}*"):
+        pid = old.name.removeprefix(MP_TEMP_PREFIX).split("-")[0]
+        if pid.isdigit() and not _Pid(int(pid)).alive():
+            shutil.rmtree(old, ignore_errors=True)
+    mine = tempfile.mkdtemp(prefix=f"{MP_TEMP_PREFIX}{os.getpid()}-")
+    try:
+        if set_multiprocessing_tempdir(mine):
+            atexit.register(shutil.rmtree, mine, True)
+            return
+    except InternalMissing:
+        pass
+    os.rmdir(mine)
+
+
 def _start_worker_server() -> None:
     """Start the worker server with Ctrl-C ignored: it imports torch first and sets its own
     handlers only after that, so a Ctrl-C in that window would end it with a traceback (and
     the next worker's start with another). The launcher alone answers Ctrl-C; each worker
     takes SIGINT back at its start (app.launch.worker)."""
+    _own_temp_dir()
     if threading.current_thread() is not threading.main_thread():
         multiprocessing.forkserver.ensure_running()
         return
@@ -84,25 +111,13 @@ class _ParentSignals:
             self._after_completion()
 
     def _after_completion(self) -> None:
-        """The workers have completed the run: a signal from now on (while this process ends)
-        stops nothing, and must not turn a completed run (result.json says so) into one ended
-        by the signal. The first is noted at exit; a second ends the process as it would have.
-        In a sweep, the signal ends the sweep as before: the next job has not begun."""
+        """The workers have completed the run (app.launch.completed); in a sweep a signal ends
+        the sweep as before: the next job has not begun."""
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-            return
-
-        def late(signum: int, frame: object) -> None:
-            signal.signal(signum, signal.SIG_DFL)
-            if not self.received:
-                atexit.register(log.info, "%s arrived after the run had completed: nothing "
-                                "was stopped", signal.Signals(signum).name)
-            self.received.append(signum)
-
-        for sig in self._previous:
-            signal.signal(sig, late)
+        if not (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN):
+            stop_signals_stop_nothing()
 
 
 class _Pid:
@@ -222,8 +237,7 @@ def _stop_message(sig: int, cfg: AppConfig, killed: set[int], reports: list[dict
     if len(stopped) == devices and not killed:  # every rank saved and stopped
         step = re.search(r"at step (\d+)", min(stopped, key=lambda r: r["rank"])["error"])
         return (f"stopped by {name}; the workers saved a checkpoint"
-                f"{f' at step {step[1]}' if step else ''}: run again with "
-                f"hydra.run.dir={run_dir} to resume")
+                f"{f' at step {step[1]}' if step else ''}: {resume_hint(run_dir)}")
     if cfg.trainer.mode != Mode.trainval:
         return f"stopped by {name}"
     if [r for r in reports if r.get("stall")]:
@@ -234,7 +248,7 @@ def _stop_message(sig: int, cfg: AppConfig, killed: set[int], reports: list[dict
     else:
         why = "not every rank reached the step they agreed to stop at"
     return (f"stopped by {name}, but no checkpoint was saved at the stop ({why}); "
-            f"{_last_checkpoint(run_dir)}: run again with hydra.run.dir={run_dir} to resume")
+            f"{_last_checkpoint(run_dir)}: {resume_hint(run_dir)}")
 
 
 def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
@@ -277,7 +291,7 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
         if server_died is not None:
             raise WorkerFailed(
                 f"the worker server (forkserver) {server_died}: the workers were stopped; "
-                f"{_last_checkpoint(run_dir)}: run again with hydra.run.dir={run_dir} to resume")
+                f"{_last_checkpoint(run_dir)}: {resume_hint(run_dir)}")
         if signals.received:
             sig = signals.received[0]
             raise Interrupted(_stop_message(sig, cfg, killed, reports, devices, run_dir,
@@ -326,6 +340,12 @@ def _watch(cfg: AppConfig, procs: list, pids: list[_Pid], signals: _ParentSignal
             failed_at = now
         if signals.received and asked_at is None:
             asked_at = now
+            # Said at once: a rank that cannot answer (stopped, stuck) holds the stop until
+            # the stall watchdog or timeout_s, minutes by default.
+            log.warning("%s: the workers stop at a step they all reach and save a checkpoint "
+                        "there; %s again ends them at once",
+                        signal.Signals(signals.received[0]).name,
+                        "Ctrl-C" if signals.received[0] == signal.SIGINT else "the signal")
             for i in running():
                 pids[i].send(signal.SIGTERM)  # workers checkpoint, then stop
         # After a stop request, a rank held in a collective fails it at timeout_s; the grace

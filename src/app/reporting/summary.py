@@ -22,6 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from app.env import this_process
+from app.launch.completed import stop_signals_stop_nothing
 from app.launch.run_lock import claim_for_job, claim_for_run, refused
 from app.reporting.curves import draw_curves
 from app.reporting.plots import draw_summary
@@ -193,6 +194,7 @@ class SweepSummary(Callback):
         if OmegaConf.select(config, "hydra.launcher.wait", default=True) is False or \
                 OmegaConf.select(config, "hydra.launcher.dry_run", default=False) is True:
             return  # submitted and not waited for: python -m app.report, once they end
+        stop_signals_stop_nothing()  # every job has ended: a signal now would only lose the table
         sweep_dir = Path(config.hydra.sweep.dir)
         jobs = write_summary(sweep_dir)
         log.info("sweep summary (%s):\n%s", sweep_dir / "summary.md", markdown(jobs))

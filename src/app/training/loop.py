@@ -24,6 +24,7 @@ from app.data import DataModule
 from app.errors import Interrupted, UserError
 from app.reporting.curves import draw_curves
 from app.reporting.loggers import MetricLogger
+from app.run_name import resume_hint
 from app.training.build import (
     ResumableSampler,
     build_data,
@@ -131,8 +132,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                     stop.requeue()  # when a job system asked for it (submitit on SLURM)
                     raise Interrupted(
                         f"stopped by signal {signal.Signals(stop.signal).name} at step "
-                        f"{state.step}; checkpoint saved: run again with hydra.run.dir={run_dir} "
-                        f"to resume", stop.signal)
+                        f"{state.step}; checkpoint saved: {resume_hint(run_dir)}", stop.signal)
                 if done:
                     break
     report.close_bar()
