@@ -139,3 +139,25 @@ def test_a_config_node_is_read_unresolved() -> None:
     child = _private.config_node(cfg, "a")
     assert isinstance(child, DictConfig)
     assert OmegaConf.to_container(child) == {"b": "${hydra:runtime.cwd}"}  # not resolved
+
+
+def test_the_sbatch_script_of_an_array_is_written_as_submitit_writes_it(tmp_path) -> None:
+    import submitit
+
+    executor = submitit.AutoExecutor(folder=tmp_path / "%j", cluster="slurm")
+    executor.update_parameters(slurm_partition="debug", timeout_min=5)
+    array = _private.sbatch_script(executor, 3)
+    assert "#SBATCH --array=0-2%3" in array and "#SBATCH --partition=debug" in array
+    assert "#SBATCH --time=5" in array and "-m submitit.core._submit" in array
+    assert "--array" not in _private.sbatch_script(executor, 1)
+
+
+def test_multiprocessing_keeps_its_sockets_where_it_is_told(tmp_path) -> None:
+    """(In a process of its own: the setting is for the whole process.)"""
+    code = (f"from app._private import set_multiprocessing_tempdir as told\n"
+            f"import multiprocessing.util as util\n"
+            f"assert told({str(tmp_path)!r})\n"
+            f"assert util.get_temp_dir() == {str(tmp_path)!r}\n"
+            f"assert not told('/elsewhere')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

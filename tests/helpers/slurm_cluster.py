@@ -47,9 +47,12 @@ def command(sweep: Path, *overrides: str) -> list[str]:
             "trainer.progress_bar=false", *overrides]
 
 
-def submit(sweep: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def submit(sweep: Path, *overrides: str, timeout: float = 600,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The submitting command (tests/helpers on PYTHONPATH, unless `env` says otherwise)."""
     return subprocess.run(command(sweep, *overrides), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(HELPERS)})
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(HELPERS),
+                                                **(env or {})})
 
 
 def submit_in_background(sweep: Path, *overrides: str) -> subprocess.Popen:

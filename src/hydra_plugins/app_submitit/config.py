@@ -50,6 +50,10 @@ class AppSlurmConf(SlurmQueueConf):
     # true: print each array's sbatch script and the resources, check them against the
     # cluster (partitions, limits, nodes, MaxArraySize) and submit nothing.
     dry_run: bool = False
+    # Copy the code the jobs import (tracked files) into the sweep directory at submission,
+    # and run the jobs (and their requeues) from that copy: edits never reach a queued job.
+    code_snapshot: bool = True
+    snapshot_max_mb: float = 100  # a larger snapshot is refused (one line), nothing submitted
 
 
 @dataclass

@@ -171,6 +171,8 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
     def __init__(self, **params: Any) -> None:
         # app's own options, not submitit's (they must not reach its executor).
         self.wait, self.dry_run = params.pop("wait", True), params.pop("dry_run", False)
+        self.code_snapshot = params.pop("code_snapshot", False)
+        self.snapshot_max_mb = params.pop("snapshot_max_mb", 100)
         super().__init__(**params)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
@@ -261,6 +263,8 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
                 jobs[num] = submitit.SlurmJob(folder=self.params["submitit_folder"],
                                               job_id=job_id, tasks=range(self._num_tasks()))
         fresh = [num for num in nums if num not in jobs]
+        if fresh and self._EXECUTOR == "slurm" and self.code_snapshot:
+            self._snapshot(executor, sweep_dir)
         jobs.update(self._submit_arrays(submitit, executor, fresh, overrides))
         if self._EXECUTOR == "slurm":
             from . import _submission
@@ -272,6 +276,20 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
                  "run_dir": str(self._run_dir(num)), "tasks": self._num_tasks()}
                 for num in nums], self.wait, str(self.params["submitit_folder"]))
         return jobs
+
+    def _snapshot(self, executor: Any, sweep_dir: Path) -> None:
+        """Copy the code into the sweep directory; the jobs' script imports from the copy."""
+        from ._snapshot import TooLarge, take
+
+        try:
+            snapshot = take(sweep_dir, self.snapshot_max_mb)
+        except TooLarge as e:
+            log.error("%s; nothing was submitted", e)
+            sys.exit(2)
+        log.info("code snapshot: %d files (%.1f MB) in %s; the jobs and their requeues import "
+                 "from it", snapshot.files, snapshot.size / 1e6, snapshot.where)
+        setup = list(self.params.get("setup") or [])
+        executor.update_parameters(slurm_setup=setup + snapshot.setup_lines())
 
     def _num_tasks(self) -> int:
         return int(self.params["nodes"]) * int(self.params["tasks_per_node"])
