@@ -32,9 +32,11 @@ from slurm_cluster import (  # noqa: E402
     final_state,
     job_field,
     job_ids,
+    release_requeued,
     slurm_cluster,  # noqa: F401 (the module's fixture: needs the cluster)
     submit,
     submit_in_background,
+    task_pid,
 )
 from slurm_cluster import wait_for as _wait_for  # noqa: E402
 
@@ -101,13 +103,7 @@ def test_preempted_job_requeues_and_finishes_bit_identical(tmp_path) -> None:
     _wait_for(lambda: job_field(job, "Restarts") == "1"
               and job_field(job, "JobState") == "PENDING", 120, "the job to requeue itself")
 
-    def started() -> bool:
-        # Slurm holds a requeued job back for two minutes; an administrator may release it
-        # early (repeated: an update made while the requeue completes can be overwritten).
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
-        return job_field(job, "JobState") != "PENDING"
-
-    _wait_for(started, 180, "the requeued job to start", every=2)
+    release_requeued(job)
     assert proc.wait(timeout=600) == 0, (sweep.parent / "preempted.log").read_text()[-3000:]
     log = (sweep / "0" / "train.log").read_text()
     resumed_at = int(re.search(r"resumed from \S+last\.pt at step (\d+)", log).group(1))
@@ -196,21 +192,6 @@ def _end(proc: subprocess.Popen, sweep: Path) -> None:
         proc.wait()
 
 
-def _task_pid(job_id: str, task: int) -> int | None:
-    """The process of one task of a job (the emulated nodes run on this machine)."""
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            cmdline = (environ.parent / "cmdline").read_bytes().split(b"\0")
-            env = set(environ.read_bytes().split(b"\0"))
-        except OSError:
-            continue
-        if (b"submitit.core._submit" in cmdline and not cmdline[0].endswith(b"srun")
-                and f"SLURM_JOB_ID={job_id}".encode() in env
-                and f"SLURM_PROCID={task}".encode() in env):
-            return int(environ.parent.name)
-    return None
-
-
 def test_a_job_cancelled_in_the_queue_ends_the_command(tmp_path) -> None:
     sweep = tmp_path / "sweep"
     proc, log = _watch(sweep, *TINY, "+hydra.launcher.additional_parameters.hold=true")
@@ -229,11 +210,12 @@ def test_a_job_cancelled_in_the_queue_ends_the_command(tmp_path) -> None:
 
 def test_a_killed_task_fails_the_job_naming_the_task_and_signal(tmp_path) -> None:
     sweep = tmp_path / "sweep"
-    proc, log = _watch(sweep, "devices=2", *TINY, "trainer.max_epochs=60")
+    proc, log = _watch(sweep, "devices=2", *TINY, "trainer.max_epochs=60",
+                       "hydra.launcher.max_num_failures=0")  # (else it is requeued)
     try:
         job = _one_job(sweep)
-        _wait_for(lambda: _task_pid(job, 1) is not None, 120, "task 1 to start")
-        os.kill(_task_pid(job, 1), signal.SIGKILL)
+        _wait_for(lambda: task_pid(job, 1) is not None, 120, "task 1 to start")
+        os.kill(task_pid(job, 1), signal.SIGKILL)
         assert proc.wait(timeout=120) == 1, log.read_text()[-3000:]
         assert f"job #0 (slurm job {job}) FAILED in task 1: killed by SIGKILL" in log.read_text()
         assert final_state(job) == "FAILED"

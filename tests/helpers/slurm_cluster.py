@@ -87,3 +87,58 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.2) -> None:
             return
         time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def _processes(job_id: str) -> dict[int, tuple[list[bytes], set[bytes]]]:
+    """The processes of a job's tasks (the emulated nodes run on this machine): pid ->
+    (command line, environment)."""
+    found = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            cmdline = (environ.parent / "cmdline").read_bytes().split(b"\0")
+            env = set(environ.read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in env:
+            found[int(environ.parent.name)] = (cmdline, env)
+    return found
+
+
+def _step_daemons(job_id: str) -> list[int]:
+    """The slurmstepd processes of a job's steps ("slurmstepd: [12.0]", "[12.batch]")."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if cmdline.read_bytes().startswith(f"slurmstepd: [{job_id}.".encode()):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def task_pid(job_id: str, task: int) -> int | None:
+    """The process of one task of a job."""
+    for pid, (cmdline, env) in _processes(job_id).items():
+        if (b"submitit.core._submit" in cmdline and not cmdline[0].endswith(b"srun")
+                and f"SLURM_PROCID={task}".encode() in env):
+            return pid
+    return None
+
+
+def release_requeued(job_id: str) -> None:
+    """Start a requeued job now. Slurm holds it back for two minutes (BeginTime); an
+    administrator may release it early, but not within the second of the requeue: the node
+    would refuse the new start as one of the revoked run ("Job credential revoked") and the
+    job would fail, nor while a process of that run is still ending ("Job already running,
+    do not launch second copy": it is held). Repeated: an update made while the requeue
+    completes can be lost."""
+    wait_for(lambda: not _processes(job_id) and not _step_daemons(job_id), 60,
+             "the requeued run's processes to end")
+    time.sleep(2)
+
+    def started() -> bool:
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                       capture_output=True)
+        return job_field(job_id, "JobState") != "PENDING"
+
+    wait_for(started, 180, "the requeued job to start", every=2)

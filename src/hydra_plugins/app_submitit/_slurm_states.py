@@ -16,15 +16,13 @@ import subprocess
 import time
 
 from app._private import slurm_info_watcher
+from app.slurm import FINAL
 
 log = logging.getLogger(__name__)
 
 # Ours, not Slurm's: squeue no longer lists the job (the controller forgot it after MinJobAge).
 GONE = "GONE"
-# States after which a job never runs again. The others may still give a result: PENDING,
-# RUNNING, COMPLETING, REQUEUED, SUSPENDED, and PREEMPTED, which a requeue follows.
-FINAL = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
-         "OUT_OF_MEMORY", "REVOKED", "TIMEOUT", GONE}
+assert GONE in FINAL  # the states after which a job never runs again
 # Polls at least this often: well under MinJobAge, so a job's final state is still listed.
 DELAY_S = 60
 
@@ -41,6 +39,11 @@ class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
         # sacct writes "CANCELLED by 1000"; squeue "CANCELLED".
         state = self.get_state(job_id, mode=mode).split()
         return bool(state) and state[0].upper() in FINAL
+
+    def forget(self, job_id: str) -> None:
+        """Watch `job_id` again: it was seen in a final state, then requeued."""
+        self._finished.discard(job_id)
+        self._info_dict.pop(job_id, None)
 
     def update(self) -> None:
         """One call for every job not yet finished (as submitit's own update)."""

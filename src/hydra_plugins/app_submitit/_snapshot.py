@@ -4,11 +4,12 @@ job, nor its requeues next week.
 
 What is copied: the folders a job imports from, as this process does (the working
 directory, each PYTHONPATH folder, and app's own source folder when it is not installed into
-site-packages); of each, the files git tracks when it lies in a git work tree, else its
-`.py` files. The jobs then import from the copy: its folders go first on PYTHONPATH and
-PYTHONSAFEPATH=1 keeps the job's working directory off sys.path (Python 3.11 and later;
-before, the working directory's own modules still come from the working tree). Files the
-copy lacks (an untracked module) still come from the original folders, which follow.
+site-packages); of each, the files git tracks or would track (not ignored) when it lies in a
+git work tree, else its `.py` files. The jobs then import from the copy: its folders go
+first on PYTHONPATH and PYTHONSAFEPATH=1 keeps the job's working directory off sys.path
+(Python 3.11 and later; before, the working directory's own modules still come from the
+working tree). A top-level module the copy lacks still comes from the original folders,
+which follow.
 
 The module name starts with "_": Hydra's plugin scan skips it.
 """
@@ -63,7 +64,10 @@ def import_roots() -> list[Path]:
 def files_of(root: Path) -> list[Path]:
     """The files to copy of an import folder, relative to it."""
     try:
-        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--", "."],
+        # Tracked files and new ones git does not ignore (a module not yet added is still
+        # imported: missing from the copy of its package, it could not be found at all).
+        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached",
+                                 "--others", "--exclude-standard", "--", "."],
                                 capture_output=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         listed = None

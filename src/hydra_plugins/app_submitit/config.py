@@ -41,6 +41,9 @@ class AppSlurmConf(SlurmQueueConf):
     mem_gb: int | None = 16  # memory per node, GB
     timeout_min: int = 60  # time limit of one run of the job; requeued up to max_num_timeout
     max_num_timeout: int = 3  # times a job that hits its time limit is requeued (it resumes)
+    # times a job is requeued after a transient fault (a task killed by a signal, a node that
+    # failed), apart from timeouts; it resumes from last.pt. An exception stays a failure.
+    max_num_failures: int = 3
     signal_delay_s: int = 120  # seconds before the time limit at which Slurm sends USR2
     # Lines run before srun: a failing task ends the others.
     setup: list[str] | None = field(default_factory=lambda: ["export SLURM_KILL_BAD_EXIT=1"])

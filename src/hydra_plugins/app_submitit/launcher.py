@@ -25,6 +25,7 @@ import math
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,14 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
 
         assert self.hydra_context is not None and self.task_function is not None
         enter()  # this job's place: detected once, in this process's entry
+        if self._EXECUTOR == "slurm":
+            from ._job_report import JobFailed
+            from ._recover import check_restarts
+
+            too_many = check_restarts(self.params.get("max_num_timeout", 0),
+                                      self.max_num_failures)
+            if too_many is not None:
+                raise JobFailed(too_many)
         Singleton.set_state(singleton_state)
         setup_globals()
         config = self.composed[job_num].copy()
@@ -172,6 +181,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         # app's own options, not submitit's (they must not reach its executor).
         self.wait, self.dry_run = params.pop("wait", True), params.pop("dry_run", False)
         self.code_snapshot = params.pop("code_snapshot", False)
+        self.max_num_failures = params.pop("max_num_failures", 0)
         self.snapshot_max_mb = params.pop("snapshot_max_mb", 100)
         super().__init__(**params)
 
@@ -236,6 +246,11 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         shared = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(**{k if k in shared else f"{self._EXECUTOR}_{k}": v
                                       for k, v in params.items()})
+        if self._EXECUTOR == "slurm":
+            from ._recover import teardown_lines
+
+            executor.update_parameters(slurm_teardown=teardown_lines(
+                str(folder), self.max_num_failures))
         return executor
 
     def _refuse_sweepers_that_need_results(self) -> None:
@@ -425,6 +440,10 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         from ._job_report import describe, outcomes
 
         job.wait()  # a result file from every task, or a final state of the job
+        while self._requeued(job):
+            log.warning("job #%d (slurm job %s) was requeued after a fault (see its log: %s); "
+                        "waiting for it again", num, job.job_id, job.paths.stderr)
+            job.wait()
         state = job.state.split()[0].upper() if self._EXECUTOR == "slurm" else ""
         # A task that exited 0 wrote its result: a missing one is a slow file system.
         results = outcomes(job, grace_s=15 if state in ("", "COMPLETED") else 0)
@@ -447,6 +466,31 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
                         working_dir=str(self._run_dir(num)))
         nan.return_value = math.nan  # the public setter (the field is `_return_value`)
         return nan
+
+    def _requeued(self, job: Any, confirm_s: float = 10.0) -> bool:
+        """Whether a job seen in a final state without a result from every task, none of which
+        raised, runs again: the faults it recovers from (a task killed by a signal, a node
+        that failed) requeue it, and the watcher can catch the state it passes on the way."""
+        if self._EXECUTOR != "slurm" or self.max_num_failures <= 0:
+            return False
+        from app import slurm
+        from app._private import slurm_watcher
+
+        from ._job_report import outcomes
+
+        state = job.state.split()[0].upper() if job.state else ""
+        results = outcomes(job, grace_s=0)
+        if state not in ("FAILED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY") or any(
+                r is not None and r[0] == "error" for r in results) or None not in results:
+            return False
+        deadline = time.monotonic() + confirm_s
+        while time.monotonic() < deadline:
+            listed = (slurm.jobs() or {}).get(job.job_id)
+            if listed is not None and listed.active:
+                slurm_watcher().forget(job.job_id)
+                return True
+            time.sleep(0.5)
+        return False
 
     def _record_end(self, num: int, status: str, error: str) -> None:
         """Record in the run directory how Slurm ended the job, for the sweep's summary (which

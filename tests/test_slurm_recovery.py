@@ -1,0 +1,138 @@
+"""Recovery of Slurm jobs from transient faults: a task killed by a signal, a node that fails.
+The job is requeued, resumes from last.pt and ends with the weights of an uninterrupted run,
+bit for bit; an exception stays a failure (test_slurm). The decision itself is tested
+in-process; the rest on the local cluster (`make slurm-up`)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import HELPERS, REPO, TINY, assert_same_weights, read_metrics, run_job
+from hydra_plugins.app_submitit._recover import check_restarts, decide
+
+sys.path.insert(0, str(HELPERS))
+from slurm_cluster import (  # noqa: E402
+    job_field,
+    job_ids,
+    release_requeued,
+    slurm_cluster,  # noqa: F401 (the module's fixture: needs the cluster)
+    submit_in_background,
+    task_pid,
+    wait_for,
+)
+
+on_the_cluster = pytest.mark.usefixtures("slurm_cluster")
+
+# 8 epochs of 11 steps, a checkpoint after each: long enough to be hit in the middle.
+TRAINING = ["devices=2", *TINY, "trainer.max_epochs=8", "trainer.ckpt_every_n_epochs=1"]
+
+
+# -- in-process: when a job is requeued ----------------------------------------------------------
+
+@pytest.mark.parametrize("status, errors, failures, state, restarts, requeued", [
+    (137, 0, 0, "RUNNING", 0, "a task ended by signal 9"),  # SIGKILL (the OOM killer)
+    (139, 0, 2, "COMPLETING", 0, "a task ended by signal 11"),  # a crash, third time
+    (0, 0, 0, "RUNNING", 0, None),  # it ended well
+    (1, 1, 0, "RUNNING", 0, None),  # the user's code raised: a failure
+    (137, 1, 0, "RUNNING", 0, None),  # one task raised, srun killed the others
+    (137, 0, 3, "RUNNING", 0, None),  # failed as often as allowed
+    (143, 0, 0, "CANCELLED", 0, None),  # scancel: the user's signal
+    (143, 0, 0, "RUNNING", 1, None),  # Slurm requeued it already (a preemption, a time limit)
+])
+def test_which_endings_requeue_the_job(status, errors, failures, state, restarts,
+                                       requeued) -> None:
+    assert decide(status, errors, failures, 3, state, restarts, 0) == requeued
+
+
+def test_a_job_restarted_too_often_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "5")
+    assert check_restarts(3, 2) is None  # 3 timeouts and 2 node failures may happen
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "6")
+    assert "restarted 6 times" in check_restarts(3, 2)
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
+    assert check_restarts(0, 0) is None  # a first run
+
+
+# -- on the cluster ------------------------------------------------------------------------------
+
+def _ends_like_the_reference(proc: subprocess.Popen, sweep: Path, reference: Path) -> str:
+    log = (sweep.parent / f"{sweep.name}.log").read_text
+    assert proc.wait(timeout=600) == 0, log()[-3000:]
+    train_log = (sweep / "0" / "train.log").read_text()
+    resumed_at = int(re.search(r"resumed from \S+last\.pt at step (\d+)", train_log).group(1))
+    assert 0 < resumed_at < 8 * 11
+    assert_same_weights(reference / "checkpoints" / "last.pt",
+                        sweep / "0" / "checkpoints" / "last.pt")
+    assert read_metrics(sweep / "0") == read_metrics(reference)
+    return log()
+
+
+def _started(sweep: Path) -> str:
+    metrics = sweep / "0" / "metrics.csv"
+    wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) > 30, 300,
+             "training to pass its third epoch")
+    (job,) = job_ids(sweep)
+    return job
+
+
+@on_the_cluster
+def test_a_task_killed_by_a_signal_is_requeued_and_ends_bit_identical(tmp_path) -> None:
+    sweep = tmp_path / "killed"
+    proc = submit_in_background(sweep, *TRAINING)
+    try:
+        job = _started(sweep)
+        os.kill(task_pid(job, 1), signal.SIGKILL)  # as the OOM killer does
+        reference = run_job(tmp_path / "reference", *TRAINING).run_dir
+        wait_for(lambda: job_field(job, "Restarts") == "1"
+                 and job_field(job, "JobState") == "PENDING", 120, "the job to be requeued")
+        waiting = subprocess.run([sys.executable, "-m", "app.status", str(sweep)], cwd=REPO,
+                                 capture_output=True, text=True, timeout=60).stdout
+        assert "waiting to run again" in waiting and "requeued 1 time" in waiting, waiting
+        release_requeued(job)
+        _ends_like_the_reference(proc, sweep, reference)
+        assert "a task ended by signal 9: requeued (1 of hydra.launcher.max_num_failures=3)" \
+            in (sweep / ".submitit" / job / f"{job}_0_log.err").read_text()
+        with open(sweep / "summary.csv", newline="") as f:
+            (row,) = csv.DictReader(f)
+        assert (row["status"], row["attempts"]) == ("completed", "2"), row
+    finally:
+        subprocess.run(["scancel", *job_ids(sweep)] if (sweep / ".submitit").is_dir() else
+                       ["true"])
+        if proc.poll() is None:
+            proc.kill()
+
+
+@on_the_cluster
+def test_a_job_whose_node_fails_is_requeued_and_ends_bit_identical(tmp_path) -> None:
+    sweep = tmp_path / "node-down"
+    proc = submit_in_background(sweep, *TRAINING)
+    node = ""
+    try:
+        job = _started(sweep)
+        node = job_field(job, "NodeList")
+        assert node in ("node1", "node2"), node
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down",
+                        "reason=app-test"], check=True)
+        reference = run_job(tmp_path / "reference", *TRAINING).run_dir
+        wait_for(lambda: job_field(job, "Restarts") == "1"
+                 and job_field(job, "JobState") == "PENDING", 120, "the job to be requeued")
+        release_requeued(job)
+        # (Slurm may run it on the same node again: ReturnToService=2 brings back a node
+        # that answers, as this emulated one does at once.)
+        _ends_like_the_reference(proc, sweep, reference)
+    finally:
+        if node:
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"],
+                           capture_output=True)  # (refused when it is back already)
+        subprocess.run(["scancel", *job_ids(sweep)] if (sweep / ".submitit").is_dir() else
+                       ["true"])
+        if proc.poll() is None:
+            proc.kill()
