@@ -126,6 +126,7 @@ class DistributedConfig:
     start_method: StartMethod = StartMethod("forkserver")
     set_device_rank: bool = True
     kill_grace_s: float = 5.0
+    max_restarts: int = 0
     horovod: bool = False
     sync_batchnorm: bool = False
     find_unused_parameters: bool = False
@@ -296,6 +297,9 @@ def _check_distributed(cfg: AppConfig) -> None:
     _seconds("distributed.timeout_s", d.timeout_s)
     _seconds("distributed.stall_timeout_s", d.stall_timeout_s, allow_none=True)
     _seconds("distributed.kill_grace_s", d.kill_grace_s)
+    if d.max_restarts < 0:
+        raise UserError(f"distributed.max_restarts={d.max_restarts}: give 0 (no restart) or "
+                        f"more")
 
 
 def validate(cfg: AppConfig) -> None:

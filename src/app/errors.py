@@ -38,6 +38,11 @@ class WorkerFailed(AppError):
     """A worker process raised or died; the message names the rank and the cause."""
 
 
+class WorkerKilled(WorkerFailed):
+    """A worker died by a signal the launcher did not send (the OOM killer, a crash): a fault
+    of the machine, not of the code, which `distributed.max_restarts` retries."""
+
+
 class WriteFailed(AppError):
     """A run file could not be written (its previous content is intact)."""
 

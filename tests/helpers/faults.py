@@ -21,15 +21,31 @@ from app.models import CNN
 
 
 class FaultyCNN(CNN):
-    def __init__(self, fault: str, fault_rank: int = 1, fault_call: int = 5, **kwargs) -> None:
+    """`fault_once`: a file made when the fault fires; the fault fires only while it is
+    missing (a restarted or resumed run then goes through)."""
+
+    def __init__(self, fault: str, fault_rank: int = 1, fault_call: int = 5,
+                 fault_once: str | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.fault, self.fault_rank, self.fault_call = fault, fault_rank, fault_call
+        self.fault_once = fault_once
         self.calls = 0
+
+    def _fires(self) -> bool:
+        if dist.rank() != self.fault_rank or self.calls != self.fault_call:
+            return False
+        if self.fault_once is None:
+            return True
+        try:
+            open(self.fault_once, "x").close()
+        except FileExistsError:
+            return False
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.calls += 1
-            if dist.rank() == self.fault_rank and self.calls == self.fault_call:
+            if self._fires():
                 if self.fault == "raise":
                     raise RuntimeError("injected fault")
                 if self.fault == "kill":

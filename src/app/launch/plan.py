@@ -16,14 +16,14 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.config import Accelerator, AppConfig, Mode
 from app.env import ProcessEnv, check_horovod
-from app.errors import UserError
+from app.errors import UserError, WorkerKilled
 from app.launch.rank_logs import setup_rank_logging
 from app.launch.spawn import spawn
 from app.launch.stacks import stacks_on_signal
@@ -119,6 +119,10 @@ def plan(cfg: AppConfig, env: ProcessEnv) -> Plan:
         raise UserError(f"device_id={cfg.device_id} picks the one device of a devices=1 run; "
                         f"to choose the devices of devices={devices}, set "
                         f"CUDA_VISIBLE_DEVICES (or your accelerator's equivalent)")
+    if cfg.distributed.max_restarts and cfg.nodes > 1:
+        raise UserError(f"distributed.max_restarts needs nodes=1 (nodes={cfg.nodes}): the "
+                        f"other machines' workers cannot rejoin a restart; under Slurm use "
+                        f"hydra.launcher.max_num_failures")
     if cfg.dist_url == "auto" and cfg.nodes > 1:  # (a SLURM job takes its address from SLURM)
         raise UserError(
             f"dist_url=auto works on one machine only; with nodes={cfg.nodes} give the "
@@ -149,7 +153,7 @@ def launch(cfg: AppConfig, run_dir: Path, env: ProcessEnv) -> float | None:
     chosen = plan(cfg, env)
     if chosen.how is How.spawn:
         with stacks_on_signal(run_dir / "logs" / "launcher.stacks"):  # (kill -s RTMIN+4 PID)
-            return spawn(cfg, run_dir, chosen)
+            return _spawn_restarting(cfg, run_dir, env, chosen)
     from app.launch.worker import run_rank, worker  # (torch)
 
     if chosen.how is How.rank:
@@ -159,6 +163,31 @@ def launch(cfg: AppConfig, run_dir: Path, env: ProcessEnv) -> float | None:
         return run_rank(cfg, run_dir, chosen, env, _stall_reporter(run_dir, env.rank))
     with stacks_on_signal(run_dir / "logs" / "rank0.stacks"):
         return worker(cfg, run_dir, chosen.device())
+
+
+def _spawn_restarting(cfg: AppConfig, run_dir: Path, env: ProcessEnv, chosen: Plan
+                      ) -> float | None:
+    """Spawn the workers; after one dies by a signal (WorkerKilled), start them all again,
+    up to distributed.max_restarts times. They resume from the run directory's last
+    checkpoint (resume=auto) exactly as a rerun of the command would."""
+    allowed = cfg.distributed.max_restarts
+    restarts = 0
+    while True:
+        try:
+            return spawn(cfg, run_dir, chosen)
+        except WorkerKilled as killed:
+            if restarts >= allowed:
+                if not allowed:
+                    raise
+                raise WorkerKilled(f"{killed} (restarted {restarts} time(s), "
+                                   f"distributed.max_restarts={allowed})") from None
+            restarts += 1
+            log.warning("%s: restarting the %d workers from the last checkpoint (%d of "
+                        "distributed.max_restarts=%d)", killed, chosen.devices, restarts,
+                        allowed)
+        # What was checkpointed in this run directory, whatever the first start loaded.
+        cfg = replace(cfg, resume="auto")
+        chosen = plan(cfg, env)  # (a new rendezvous port)
 
 
 # -- what this machine has ----------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from app._private import forkserver_pid as _forkserver_pid
 from app._private import set_multiprocessing_tempdir
 from app.config import AppConfig, Mode
-from app.errors import InternalMissing, Interrupted, WorkerFailed
+from app.errors import InternalMissing, Interrupted, WorkerFailed, WorkerKilled
 from app.launch.completed import stop_signals_stop_nothing
 from app.run_name import resume_hint
 
@@ -200,6 +200,14 @@ def _last_checkpoint(run_dir: Path) -> str:
     return f"the last checkpoint is {periodic[-1].relative_to(run_dir)}"
 
 
+def _killed_by_signal(procs: list, killed: set[int]) -> int | None:
+    """The first worker that died by a signal this process did not send."""
+    for local, proc in enumerate(procs):
+        if proc.exitcode is not None and proc.exitcode < 0 and local not in killed:
+            return local
+    return None
+
+
 def _failure_message(procs: list, killed: set[int], reports: list[dict], grace: float,
                      timeout_s: float, run_dir: Path, base_rank: int) -> str:
     # A rank named by the stall watchdog is the cause: the others ended because of it.
@@ -208,11 +216,10 @@ def _failure_message(procs: list, killed: set[int], reports: list[dict], grace: 
         return stalled[0]["error"]
     # A worker that died of a signal we did not send is the cause; otherwise the earliest
     # error, since a rank that fails makes its peers fail in their next collective.
-    for local, proc in enumerate(procs):
-        if proc.exitcode is not None and proc.exitcode < 0 and local not in killed:
-            name = signal.Signals(-proc.exitcode).name
-            return (f"rank {base_rank + local} (pid {proc.pid}) was killed by {name}; "
-                    f"the other workers were stopped")
+    died = _killed_by_signal(procs, killed)
+    if died is not None:
+        return (f"rank {base_rank + died} (pid {procs[died].pid}) was killed by "
+                f"{signal.Signals(-procs[died].exitcode).name}; the other workers were stopped")
     if not reports:
         codes = {base_rank + i: p.exitcode for i, p in enumerate(procs)}
         return f"workers exited with codes {codes}"
@@ -296,8 +303,12 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
             sig = signals.received[0]
             raise Interrupted(_stop_message(sig, cfg, killed, reports, devices, run_dir,
                                             base_rank), sig)
-        raise WorkerFailed(_failure_message(procs, killed, reports, grace,
-                                            cfg.distributed.timeout_s, run_dir, base_rank))
+        # A stalled rank (which the watchdog names, and which is then killed) is not a
+        # machine's fault: only a death by a signal of its own is retried.
+        machine_fault = _killed_by_signal(procs, killed) is not None and not any(
+            r.get("stall") for r in reports)
+        raise (WorkerKilled if machine_fault else WorkerFailed)(_failure_message(
+            procs, killed, reports, grace, cfg.distributed.timeout_s, run_dir, base_rank))
     finally:
         for pid in pids:
             pid.close()
