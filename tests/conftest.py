@@ -34,6 +34,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from app.config import AppConfig, register_schemas, to_app_config  # noqa: E402
+from app.from_run import apply_run  # noqa: E402
 from app.resolvers import register_resolvers  # noqa: E402
 
 torch.set_num_threads(1)  # (OMP_NUM_THREADS above; set here too for a torch already imported)
@@ -93,9 +94,9 @@ def run_job(run_dir: Path, *overrides: str, user_code: Path | None = None) -> Jo
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         composed = compose("config", overrides=list(overrides))
-    cfg = to_app_config(composed)
     run_dir.mkdir(parents=True, exist_ok=True)  # (Hydra makes it for `python -m app`)
     with _process_left_alone(user_code) as output:
+        cfg = to_app_config(apply_run(composed, list(overrides)))
         value = launch(cfg, run_dir, SINGLE)  # a test process is never a rank of a job
     return Job(value, run_dir, output.getvalue())
 

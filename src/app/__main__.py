@@ -20,6 +20,7 @@ from app.conf_dir import config_dir
 from app.config import register_schemas, to_app_config
 from app.env import enter, reproducible_matmuls, this_process
 from app.errors import AppError, Interrupted, RunDirInUse, UserError, one_line
+from app.from_run import apply_run
 from app.launch.completed import stop_signals_stop_nothing
 from app.launch.plan import launch, spawns_workers
 from app.launch.run_lock import owns_run, take
@@ -61,7 +62,7 @@ def main(dict_cfg: DictConfig) -> float | None:
             # RunDirInUse, naming the holder, if another command owns it.
             lock = take(run_dir)
         # Convert at the boundary: below here code sees plain, resolved, typed objects.
-        cfg = to_app_config(dict_cfg)
+        cfg = to_app_config(apply_run(dict_cfg, list(HydraConfig.get().overrides.task)))
         if spawns_workers(cfg, env):
             prestart(cfg)  # a worker server imports torch while this process does the same
         result = launch(cfg, run_dir, env)

@@ -178,6 +178,7 @@ class AppConfig:
     machine_rank: int = 0
     dist_url: str = "auto"
     seed: int = 0
+    run: str | None = None
     ckpt: str | None = None
     ckpt_strict: bool = True
     resume: str | None = "auto"

@@ -77,6 +77,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         # plugin module at start-up, and this one must not slow down runs that don't use it.
         from app.config import to_app_config
         from app.errors import AppError
+        from app.from_run import apply_run
 
         assert self.hydra_context is not None and self.config is not None
         config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
@@ -87,6 +88,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
             config.hydra.sweep.subdir = str(config.hydra.sweep.subdir)
             config.hydra.mode = RunMode.MULTIRUN
         try:
+            config = apply_run(config, overrides)  # (the job applies it again: the same)
             cfg = to_app_config(config)
             self._check_allocation(cfg.devices, cfg.nodes)
             self._share_devices(config, cfg, job_num)

@@ -1,0 +1,125 @@
+"""`run=DIR`: use an earlier run by its directory. Its saved config gives the model, the data
+and the precision it was trained with, and its checkpoints the weights (`ckpt`: its best.pt,
+or `ckpt=last` / `ckpt=best`), so that `python -m app trainer=eval run=outputs/DAY/TIME`
+needs nothing retyped. What the command line sets still wins; where it differs from the run,
+one line says so. A sweep's job directory is a run directory like any other.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
+
+from app.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# The keys a run's weights depend on: a model built otherwise would not load them, and data
+# normalised otherwise would not give the run's results.
+TAKEN = ("model", "data", "precision")
+# `ckpt=` words that name one of the run's own checkpoints.
+CHECKPOINTS = {"best": "best.pt", "last": "last.pt"}
+
+
+def given_keys(overrides: list[str]) -> set[str]:
+    """The config keys a command line sets: `model=mlp` -> model, `+data.x=1` -> data.x."""
+    keys = set()
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key and not key.startswith("hydra"):
+            keys.add(key.split("@", 1)[0])
+    return keys
+
+
+def _covers(given: set[str], key: str) -> bool:
+    """Whether the command line sets `key` or a part of it."""
+    return any(g == key or g.startswith(key + ".") for g in given)
+
+
+def _set(given: set[str], leaf: str) -> bool:
+    """Whether the command line sets this leaf (itself, a part of it, or a node above it)."""
+    return any(g == leaf or leaf.startswith(g + ".") or g.startswith(leaf + ".") for g in given)
+
+
+def _leaves(node: Any, prefix: str) -> dict[str, Any]:
+    """Each value under `node` by its dotted key (a list is one value), interpolations as
+    written."""
+    if isinstance(node, DictConfig):
+        found: dict[str, Any] = {}
+        for k in node:
+            found |= _leaves(node._get_node(k), f"{prefix}.{k}")
+        return found
+    if isinstance(node, ListConfig):
+        return {prefix: OmegaConf.to_container(node)}
+    return {prefix: node._value() if hasattr(node, "_value") else node}
+
+
+def saved_config(run: str) -> tuple[Path, DictConfig]:
+    path = Path(run).expanduser()
+    if not path.is_dir():
+        raise UserError(f"run={run}: no such run directory")
+    saved = path / ".hydra" / "config.yaml"
+    if not saved.is_file():
+        raise UserError(f"run={run}: not a run directory (it has no .hydra/config.yaml)")
+    try:
+        return path, OmegaConf.load(saved)
+    except Exception as e:  # (YAML errors come in several types): one line
+        raise UserError(f"run={run}: its .hydra/config.yaml does not load: "
+                        f"{str(e).splitlines()[0]}") from None
+
+
+def _checkpoint(path: Path, ckpt: str | None, run: str) -> str:
+    folder = path / "checkpoints"
+    if ckpt in CHECKPOINTS:
+        chosen = folder / CHECKPOINTS[ckpt]
+        if not chosen.is_file():
+            raise UserError(f"run={run} ckpt={ckpt}: the run has no checkpoints/{chosen.name}")
+        return str(chosen)
+    for name in ("best.pt", "last.pt"):
+        if (folder / name).is_file():
+            return str(folder / name)
+    raise UserError(f"run={run}: the run has no checkpoint (checkpoints/best.pt or last.pt)")
+
+
+def apply_run(composed: DictConfig, overrides: list[str]) -> DictConfig:
+    """`composed` with what `run=` takes from the run (unchanged without `run=`)."""
+    run = composed.get("run")
+    ckpt = composed.get("ckpt")
+    if run is None:
+        if ckpt in CHECKPOINTS:
+            raise UserError(f"ckpt={ckpt} names a checkpoint of a run: add run=RUN_DIR, or "
+                            f"give ckpt=PATH/TO/{CHECKPOINTS[ckpt]}")
+        return composed
+    path, saved = saved_config(str(run))
+    given = given_keys(overrides)
+    composed = composed.copy()
+    differ: list[str] = []
+    with read_write(composed), open_dict(composed):
+        for key in TAKEN:
+            if key not in saved:
+                continue
+            if not _covers(given, key):
+                composed[key] = saved[key]
+                continue
+            mine = _leaves(composed._get_node(key), key)
+            chosen = [leaf for leaf in sorted(mine) if _set(given, leaf)]
+            if key not in given:  # a part set on the command line: the rest is the run's
+                merged = saved[key].copy()
+                for leaf in chosen:
+                    OmegaConf.update(merged, leaf.split(".", 1)[1],
+                                     OmegaConf.select(composed, leaf), force_add=True)
+                composed[key] = merged
+            theirs = _leaves(saved._get_node(key), key)
+            differ += [f"{leaf}={mine[leaf]} (the run: {theirs[leaf]})" for leaf in chosen
+                       if leaf in theirs and theirs[leaf] != mine[leaf]]
+        if "ckpt" not in given or ckpt in CHECKPOINTS:
+            composed["ckpt"] = _checkpoint(path, ckpt, str(run))
+    if differ:
+        log.warning("run=%s: the command line differs from the run in %s; the command line "
+                    "wins", run, ", ".join(differ))
+    log.info("run=%s: %s from its config, weights from %s", run,
+             ", ".join(k for k in TAKEN if k in saved), composed["ckpt"])
+    return composed

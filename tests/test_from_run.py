@@ -1,0 +1,99 @@
+"""`run=DIR`: evaluate, predict, export and fine-tune an earlier run (a sweep's job here) by its
+directory, with nothing retyped: the model, data and precision come from its saved config,
+the weights from its best.pt (or `ckpt=last`); the command line still wins."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.errors import UserError
+from conftest import REPO, run_job
+
+# Settings that differ from the defaults: an evaluation that retyped nothing must still
+# build this model, on this data.
+TRAINED = ["model.channels=[8,16]", "model.dropout=0.0", "data.batch_size=32",
+           "trainer.max_epochs=3", "trainer.progress_bar=false"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    """A real sweep of two jobs, as the CLI writes it (each job's .hydra/config.yaml)."""
+    folder = tmp_path_factory.mktemp("runs") / "sweep"
+    done = subprocess.run([sys.executable, "-m", "app", "-m", f"hydra.sweep.dir={folder}",
+                           *TRAINED, "optimizer.lr=0.01,0.003"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return folder
+
+
+def _best(sweep: Path) -> dict[str, float]:
+    with open(sweep / "summary.csv", newline="") as f:
+        return {row["job"]: float(row["best"]) for row in csv.DictReader(f)}
+
+
+def test_evaluating_a_run_by_its_directory_gives_the_metric_of_training(sweep, tmp_path) -> None:
+    best = _best(sweep)
+    for job in ("0", "1"):
+        evaluated = run_job(tmp_path / f"eval{job}", "trainer=eval", f"run={sweep / job}")
+        assert evaluated.value == best[job]  # val/acc of best.pt, recomputed
+        record = json.loads((tmp_path / f"eval{job}" / "eval.json").read_text())
+        assert record["ckpt"] == str(sweep / job / "checkpoints" / "best.pt")
+        assert "model, data, precision from its config" in evaluated.output
+
+
+def test_ckpt_last_and_an_explicit_path(sweep, tmp_path) -> None:
+    run_job(tmp_path / "last", "trainer=eval", f"run={sweep / '0'}", "ckpt=last")
+    record = json.loads((tmp_path / "last" / "eval.json").read_text())
+    assert record["ckpt"] == str(sweep / "0" / "checkpoints" / "last.pt")
+    other = sweep / "1" / "checkpoints" / "last.pt"  # the other job's weights, same model
+    run_job(tmp_path / "path", "trainer=eval", f"run={sweep / '0'}", f"ckpt={other}")
+    assert json.loads((tmp_path / "path" / "eval.json").read_text())["ckpt"] == str(other)
+
+
+def test_the_command_line_wins_and_a_difference_is_one_line(sweep, tmp_path) -> None:
+    job = run_job(tmp_path / "bigger", "trainer=eval", f"run={sweep / '0'}",
+                  "data.val_batch_size=256", "precision=bf16-mixed")
+    said = [line for line in job.output.splitlines() if "differs from the run" in line]
+    assert len(said) == 1 and "precision=bf16-mixed (the run: 32)" in said[0], job.output
+    assert "data.val_batch_size" not in said[0]  # (the run's value: not a difference)
+    with pytest.raises(UserError, match="does not match the model"):
+        run_job(tmp_path / "other", "trainer=eval", f"run={sweep / '0'}",
+                "model.channels=[8,32]")
+
+
+def test_predict_export_and_fine_tune_from_a_run(sweep, tmp_path) -> None:
+    run_job(tmp_path / "predict", "trainer=predict", f"run={sweep / '1'}")
+    assert (tmp_path / "predict" / "predictions.png").is_file()
+    run_job(tmp_path / "export", "trainer=export", f"run={sweep / '1'}")
+    assert list((tmp_path / "export").rglob("model.pt2"))
+    tuned = run_job(tmp_path / "tune", f"run={sweep / '1'}", "trainer.max_epochs=1")
+    assert f"loaded weights from {sweep / '1' / 'checkpoints' / 'best.pt'}" in tuned.output
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: None, "no such run directory"),
+    (lambda d: d.mkdir(), "not a run directory (it has no .hydra/config.yaml)"),
+    (lambda d: ((d / ".hydra").mkdir(parents=True),
+                (d / ".hydra" / "config.yaml").write_text("model: [unclosed\n")),
+     "its .hydra/config.yaml does not load"),
+    (lambda d: ((d / ".hydra").mkdir(parents=True),
+                (d / ".hydra" / "config.yaml").write_text("precision: '32'\n")),
+     "the run has no checkpoint"),
+], ids=["missing", "empty", "broken-config", "no-checkpoint"])
+def test_what_is_not_a_usable_run_is_one_line(tmp_path, make, words) -> None:
+    run = tmp_path / "run"
+    make(run)
+    with pytest.raises(UserError, match=words.replace("(", r"\(").replace(")", r"\)")
+                       .replace(".", r"\.")):
+        run_job(tmp_path / "eval", "trainer=eval", f"run={run}")
+
+
+def test_a_run_checkpoint_word_without_a_run_is_refused(tmp_path) -> None:
+    with pytest.raises(UserError, match="ckpt=best names a checkpoint of a run"):
+        run_job(tmp_path / "eval", "trainer=eval", "ckpt=best")
