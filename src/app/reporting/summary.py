@@ -95,7 +95,8 @@ def curves_note(summary: dict[str, Any]) -> str | None:
     return f"{summary['status']}{at}" + (f": {summary['error']}" if summary["error"] else "")
 
 
-def _overrides(run_dir: Path) -> list[str]:
+def overrides_of(run_dir: Path) -> list[str]:
+    """The run's command-line overrides, Hydra's own left out."""
     path = run_dir / ".hydra" / "overrides.yaml"
     found = OmegaConf.load(path) if path.is_file() else []
     return [str(o) for o in found if not str(o).lstrip("+~").startswith("hydra.")]
@@ -108,7 +109,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
                                      else 0, p.name))
     jobs = []
     for run_dir in run_dirs:
-        overrides = _overrides(run_dir)
+        overrides = overrides_of(run_dir)
         jobs.append({"job": run_dir.name, "overrides": " ".join(overrides),
                      "run_dir": str(run_dir), "overrides_list": overrides,
                      **job_summary(run_dir)})

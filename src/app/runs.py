@@ -1,0 +1,265 @@
+"""`python -m app.runs`: find, inspect and compare the runs under an output folder.
+
+  ls [DIR] [KEY=VALUE ...] [--status S]   the runs under DIR (outputs/), newest first
+  show RUN                                one run: overrides, what differs from the defaults,
+                                          its result and its files
+  diff RUN_A RUN_B                        the config keys that differ; both runs' metrics
+
+A run is any directory with a `.hydra/config.yaml` (a sweep's jobs too); everything is read
+from the directories, so runs of any launcher, finished or not, are listed alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from app.reporting.results import RESULT, read_metrics
+from app.reporting.summary import job_summary, overrides_of
+
+SKIP = {".code", ".submitit", "checkpoints", "logs", "plots", ".hydra", "export"}
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Run directories under `root` (itself included), without descending into a run's own
+    folders or a sweep's code snapshot."""
+    found, todo = [], [root]
+    while todo:
+        folder = todo.pop()
+        if (folder / ".hydra" / "config.yaml").is_file():
+            found.append(folder)
+        try:
+            todo += [p for p in folder.iterdir() if p.is_dir() and p.name not in SKIP]
+        except OSError:
+            continue
+    return found
+
+
+def config_of(run: Path) -> DictConfig:
+    return OmegaConf.load(run / ".hydra" / "config.yaml")
+
+
+def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Every value of a config by its dotted key (a list is one value), as written."""
+    if isinstance(node, DictConfig):
+        found: dict[str, Any] = {}
+        for key in node:
+            found |= leaves(node._get_node(key), f"{prefix}.{key}" if prefix else str(key))
+        return found
+    if isinstance(node, ListConfig):
+        return {prefix: OmegaConf.to_container(node)}
+    return {prefix: node._value() if hasattr(node, "_value") else node}
+
+
+def started(run: Path) -> float:
+    """When the run began: Hydra writes its config first."""
+    return (run / ".hydra" / "config.yaml").stat().st_mtime
+
+
+def describe(run: Path) -> dict[str, Any]:
+    summary = job_summary(run)
+    config = config_of(run)
+    return {"run": run, "status": summary["status"],
+            "mode": OmegaConf.select(config, "trainer.mode", default="?"),
+            "monitor": summary["monitor"], "best": summary["best"],
+            "steps": summary["steps"], "wall_s": summary["wall_s"],
+            "started": started(run), "command": " ".join(overrides_of(run)),
+            "error": summary["error"], "config": config}
+
+
+def matches(run: dict[str, Any], wanted: list[str]) -> bool:
+    """Whether the run's config has each KEY=VALUE (values compared as YAML reads them)."""
+    for item in wanted:
+        key, _, value = item.partition("=")
+        have = OmegaConf.select(run["config"], key.lstrip("+"), default=None)
+        if isinstance(have, (DictConfig, ListConfig)):
+            have = OmegaConf.to_container(have)
+        if have != yaml.safe_load(value) and str(have) != value:
+            return False
+    return True
+
+
+def _order(run: dict[str, Any]) -> tuple:
+    """Newest first; a sweep's jobs together, by number."""
+    folder = run["run"]
+    sweep = folder.parent / "multirun.yaml"
+    began = sweep.stat().st_mtime if sweep.is_file() else run["started"]
+    return (-began, str(folder.parent), int(folder.name) if folder.name.isdigit() else 0,
+            folder.name)
+
+
+def _size(count: int) -> str:
+    for unit in ("B", "KB", "MB"):
+        if count < 1000:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} GB"
+
+
+def _number(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)
+
+
+def cmd_ls(root: Path, wanted: list[str], status: str | None) -> int:
+    if not root.is_dir():
+        print(f"error: {root}: no such folder", file=sys.stderr)
+        return 2
+    runs = [describe(r) for r in find_runs(root)]
+    runs = [r for r in runs if matches(r, wanted) and (status is None or
+                                                       r["status"].startswith(status))]
+    if not runs:
+        print(f"no runs under {root}" + (" that match" if wanted or status else ""))
+        return 0
+    runs.sort(key=_order)
+    rows = [["run", "status", "mode", "best", "steps", "wall_s", "started", "command"]]
+    for r in runs:
+        best = f"{r['monitor']} {_number(r['best'])}" if r["best"] is not None else "-"
+        rows.append([str(r["run"].relative_to(root)) if r["run"] != root else ".",
+                     r["status"], str(r["mode"]), best, _number(r["steps"]),
+                     _number(r["wall_s"], 1),
+                     time.strftime("%Y-%m-%d %H:%M", time.localtime(r["started"])),
+                     r["command"] or "(defaults)"])
+    print(table(rows))
+    print(f"{len(runs)} run(s)")
+    return 0
+
+
+def defaults() -> DictConfig:
+    """The config `python -m app` composes with no override."""
+    from hydra import compose, initialize_config_dir
+
+    from app.conf_dir import config_dir
+    from app.config import register_schemas
+    from app.resolvers import register_resolvers
+
+    register_schemas()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        composed = compose("config")
+    return OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
+
+
+def differences(a: DictConfig, b: DictConfig) -> list[tuple[str, Any, Any]]:
+    """(key, value in a, value in b) for each key whose value differs (missing: "-")."""
+    la, lb = leaves(a), leaves(b)
+    return [(k, la.get(k, "-"), lb.get(k, "-")) for k in sorted(set(la) | set(lb))
+            if la.get(k, "-") != lb.get(k, "-")]
+
+
+def _run_dir(text: str) -> Path | None:
+    path = Path(text).expanduser()
+    if not (path / ".hydra" / "config.yaml").is_file():
+        print(f"error: {text}: not a run directory (no .hydra/config.yaml)", file=sys.stderr)
+        return None
+    return path
+
+
+def cmd_show(text: str) -> int:
+    run = _run_dir(text)
+    if run is None:
+        return 2
+    r = describe(run)
+    print(f"run {run}")
+    print(f"status: {r['status']}" + (f" ({r['error']})" if r["error"] else ""))
+    print(f"mode: {r['mode']}; best {r['monitor']}: {_number(r['best'])}; steps: "
+          f"{_number(r['steps'])}; wall_s: {_number(r['wall_s'], 1)}")
+    print(f"overrides: {r['command'] or '(none)'}")
+    changed = differences(defaults(), r["config"])
+    print("differs from the defaults:" + ("" if changed else " nothing"))
+    for key, default, value in changed:
+        print(f"  {key}: {value} (default: {default})")
+    for name in ("eval.json", RESULT):
+        if (run / name).is_file():
+            print(f"{name}: {json.dumps(json.loads((run / name).read_text()))}")
+    print("files:")
+    for path in sorted(p for p in run.rglob("*") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(run).parts)):
+        print(f"  {path.relative_to(run)}  {_size(path.stat().st_size)}")
+    return 0
+
+
+def cmd_diff(text_a: str, text_b: str) -> int:
+    a, b = _run_dir(text_a), _run_dir(text_b)
+    if a is None or b is None:
+        return 2
+    ra, rb = describe(a), describe(b)
+    print(f"A: {a}\nB: {b}")
+    changed = differences(ra["config"], rb["config"])
+    rows = [["key", "A", "B"]] + [[k, str(va), str(vb)] for k, va, vb in changed]
+    print(table(rows) if changed else "the configs are the same")
+    print()
+    rows = [["", "A", "B"]]
+    for field, digits in (("status", 0), ("best", 4), ("steps", 0), ("wall_s", 1)):
+        rows.append([field, _number(ra[field], digits), _number(rb[field], digits)])
+    print(table(rows))
+    print()
+    print(table(_side_by_side(a, b)))
+    return 0
+
+
+def _side_by_side(a: Path, b: Path) -> list[list[str]]:
+    """Each validation of either run, by step: loss and accuracy of A and of B."""
+    def by_step(run: Path) -> dict[int, dict[str, str]]:
+        return {int(r["step"]): r for r in read_metrics(run) if r["split"] == "val"}
+
+    va, vb = by_step(a), by_step(b)
+    rows = [["step", "A val loss", "A val acc", "B val loss", "B val acc"]]
+    for step in sorted(set(va) | set(vb)):
+        cells = [str(step)]
+        for rows_of in (va, vb):
+            row = rows_of.get(step, {})
+            cells += [_number(_float(row.get("loss"))), _number(_float(row.get("acc")))]
+        rows.append(cells)
+    return rows
+
+
+def _float(text: str | None) -> float | None:
+    try:
+        return float(text) if text not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.runs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    ls = commands.add_parser("ls", help="the runs under a folder")
+    ls.add_argument("filters", nargs="*", help="DIR first (default outputs), then KEY=VALUE")
+    ls.add_argument("--status", help="completed, failed, interrupted, running ...")
+    show = commands.add_parser("show", help="one run")
+    show.add_argument("run")
+    diff = commands.add_parser("diff", help="two runs")
+    diff.add_argument("run_a")
+    diff.add_argument("run_b")
+    args = parser.parse_args(argv)
+    if args.command == "ls":
+        root, wanted = Path("outputs"), list(args.filters)
+        if wanted and "=" not in wanted[0]:
+            root = Path(wanted.pop(0)).expanduser()
+        bad = [w for w in wanted if "=" not in w]
+        if bad:
+            parser.error(f"{bad[0]}: a filter is KEY=VALUE (optimizer.lr=0.1)")
+        return cmd_ls(root, wanted, args.status)
+    if args.command == "show":
+        return cmd_show(args.run)
+    return cmd_diff(args.run_a, args.run_b)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""`python -m app.runs ls|show|diff` on a real 2x2 sweep made by the CLI, one job of which
+fails; in-process (`main(argv)`), the printed lines are the subject."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app import runs
+from conftest import HELPERS, REPO
+
+# fault_rank=0 and fault_call=5 together: only job #0 raises (a devices=1 run is rank 0).
+SWEEP = ["model._target_=faults.FaultyCNN", "+model.fault=raise", "+model.fault_rank=0,1",
+         "+model.fault_call=5,100000", "model.channels=[8,16]", "trainer.max_epochs=2",
+         "trainer.progress_bar=false"]
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("outputs")
+    done = subprocess.run([sys.executable, "-m", "app", "-m",
+                           f"hydra.sweep.dir={root / 'multirun' / 'sweep'}", *SWEEP],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(HELPERS)})
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]  # (one failed)
+    return root
+
+
+def _run(capsys, *argv: str) -> tuple[int, list[str]]:
+    code = runs.main(list(argv))
+    captured = capsys.readouterr()
+    return code, (captured.out + captured.err).splitlines()
+
+
+def test_ls_lists_every_job_with_its_status_and_metric(outputs, capsys) -> None:
+    code, lines = _run(capsys, "ls", str(outputs))
+    assert code == 0 and lines[-1] == "4 run(s)"
+    rows = {line.split()[0]: line for line in lines[1:-1]}
+    assert sorted(rows) == [f"multirun/sweep/{n}" for n in range(4)], lines
+    assert " failed " in rows["multirun/sweep/0"] and "+model.fault_call=5" in \
+        rows["multirun/sweep/0"]
+    for n in (1, 2, 3):
+        assert " completed  trainval  val/acc 0." in rows[f"multirun/sweep/{n}"], lines
+        assert " 44 " in rows[f"multirun/sweep/{n}"]  # steps
+
+
+def test_ls_filters_by_key_and_by_status(outputs, capsys) -> None:
+    _, lines = _run(capsys, "ls", str(outputs), "+model.fault_rank=0")
+    assert lines[-1] == "2 run(s)"
+    _, lines = _run(capsys, "ls", str(outputs), "model.fault_rank=1", "model.fault_call=5")
+    assert lines[-1] == "1 run(s)" and lines[1].startswith("multirun/sweep/2")
+    _, lines = _run(capsys, "ls", str(outputs), "--status", "failed")
+    assert lines[-1] == "1 run(s)" and lines[1].startswith("multirun/sweep/0")
+    _, lines = _run(capsys, "ls", str(outputs), "model.channels=[8,16]")  # a list value
+    assert lines[-1] == "4 run(s)"
+    _, lines = _run(capsys, "ls", str(outputs), "optimizer.lr=0.5")
+    assert lines == [f"no runs under {outputs} that match"]
+
+
+def test_show_gives_overrides_differences_result_and_files(outputs, capsys) -> None:
+    code, lines = _run(capsys, "show", str(outputs / "multirun" / "sweep" / "1"))
+    assert code == 0
+    assert "status: completed" in lines
+    assert "  model.channels: [8, 16] (default: [32, 64])" in lines, lines
+    assert "  trainer.max_epochs: 2 (default: 20)" in lines
+    assert not any(line.startswith("  optimizer.") for line in lines)  # (a default)
+    assert any(line.startswith("  checkpoints/best.pt  ") for line in lines)
+    code, lines = _run(capsys, "show", str(outputs / "multirun" / "sweep" / "0"))
+    assert "status: failed (RuntimeError: injected fault)" in lines[1], lines
+
+
+def test_diff_gives_the_keys_that_differ_and_the_metrics_side_by_side(outputs, capsys) -> None:
+    sweep = outputs / "multirun" / "sweep"
+    code, lines = _run(capsys, "diff", str(sweep / "3"), str(sweep / "0"))
+    assert code == 0
+    keys = [line.split()[0] for line in lines[3:] if line and line.split()[0].startswith(
+        "model.")]
+    assert keys == ["model.fault_call", "model.fault_rank"], lines
+    assert any(line.split() == ["status", "completed", "failed"] for line in lines), lines
+    assert any(line.split()[:1] == ["44"] and line.split()[3:] == ["-", "-"]
+               for line in lines), lines  # B has no validation at step 44
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["ls", "/nonexistent"], "/nonexistent: no such folder"),
+    (["show", "/tmp"], "/tmp: not a run directory"),
+    (["diff", "/tmp", "/tmp"], "/tmp: not a run directory"),
+])
+def test_what_is_not_there_is_one_line_and_exit_2(capsys, argv, words) -> None:
+    code, lines = _run(capsys, *argv)
+    assert code == 2 and any(words in line for line in lines), lines
+
+
+def test_a_filter_that_is_not_key_value_is_refused(outputs, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        runs.main(["ls", str(outputs), "optimizer.lr"])
+    assert exited.value.code == 2
+    assert "a filter is KEY=VALUE" in capsys.readouterr().err
