@@ -89,7 +89,8 @@ def test_sweep_is_a_job_array_and_returns_both_results(tmp_path) -> None:
 def test_preempted_job_requeues_and_finishes_bit_identical(tmp_path) -> None:
     overrides = ["devices=2", *TINY, "trainer.max_epochs=8", "trainer.ckpt_every_n_epochs=null"]
     sweep = tmp_path / "preempted"
-    proc = submit_in_background(sweep, *overrides)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"  # (the job's MLflow run survives the requeue)
+    proc = submit_in_background(sweep, *overrides, "logger=mlflow", f"logger.mlflow_uri={uri}")
     metrics = sweep / "0" / "metrics.csv"
     _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) > 40, 300,
               "training to start")
@@ -111,6 +112,16 @@ def test_preempted_job_requeues_and_finishes_bit_identical(tmp_path) -> None:
     assert_same_weights(reference / "checkpoints" / "last.pt",
                         sweep / "0" / "checkpoints" / "last.pt")
     assert read_metrics(sweep / "0") == read_metrics(reference)
+    _one_mlflow_run_without_gaps(uri, sweep / "0")
+
+
+def _one_mlflow_run_without_gaps(uri: str, run_dir: Path) -> None:
+    from mlflow.tracking import MlflowClient  # (an optional extra: make install has it)
+
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("app").experiment_id])
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss"))
+    assert steps == [int(r["step"]) for r in read_metrics(run_dir) if r["split"] == "train"]
 
 
 def test_a_failing_rank_fails_the_job_promptly(tmp_path) -> None:

@@ -14,6 +14,7 @@ from datetime import datetime
 import pytest
 from omegaconf import OmegaConf
 
+from app.config import LoggerConfig
 from app.errors import UserError
 from app.reporting.loggers import MLflowLogger
 from conftest import REPO, TINY, multirun, read_metrics, run_job
@@ -137,7 +138,7 @@ def test_mlflow_and_tensorboard_together(tmp_path) -> None:
 def test_mlflow_missing_is_a_clear_error(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if it were not installed
     with pytest.raises(UserError, match="pip install mlflow-skinny"):
-        MLflowLogger(tmp_path, "sqlite:///x.db", "app")
+        MLflowLogger(tmp_path, LoggerConfig(mlflow=True, mlflow_uri="sqlite:///x.db"), {})
 
 
 def _job_dir(sweep, num: int, overrides: list[str], log: list[str], result: dict | None,

@@ -141,7 +141,7 @@ class DistributedConfig:
 class LoggerConfig:
     tensorboard: bool = False
     mlflow: bool = False
-    mlflow_uri: str = "sqlite:///outputs/mlflow.db"
+    mlflow_uri: str | None = None  # null: sqlite:///<the runs' folder>/mlflow.db
     mlflow_experiment: str = "app"
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from app.errors import UserError
+from app.flat import leaves
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +42,6 @@ def _covers(given: set[str], key: str) -> bool:
 def _set(given: set[str], leaf: str) -> bool:
     """Whether the command line sets this leaf (itself, a part of it, or a node above it)."""
     return any(g == leaf or leaf.startswith(g + ".") or g.startswith(leaf + ".") for g in given)
-
-
-def _leaves(node: Any, prefix: str) -> dict[str, Any]:
-    """Each value under `node` by its dotted key (a list is one value), interpolations as
-    written."""
-    if isinstance(node, DictConfig):
-        found: dict[str, Any] = {}
-        for k in node:
-            found |= _leaves(node._get_node(k), f"{prefix}.{k}")
-        return found
-    if isinstance(node, ListConfig):
-        return {prefix: OmegaConf.to_container(node)}
-    return {prefix: node._value() if hasattr(node, "_value") else node}
 
 
 def saved_config(run: str) -> tuple[Path, DictConfig]:
@@ -104,7 +91,7 @@ def apply_run(composed: DictConfig, overrides: list[str]) -> DictConfig:
             if not _covers(given, key):
                 composed[key] = saved[key]
                 continue
-            mine = _leaves(composed._get_node(key), key)
+            mine = leaves(composed._get_node(key), key)
             chosen = [leaf for leaf in sorted(mine) if _set(given, leaf)]
             if key not in given:  # a part set on the command line: the rest is the run's
                 merged = saved[key].copy()
@@ -112,7 +99,7 @@ def apply_run(composed: DictConfig, overrides: list[str]) -> DictConfig:
                     OmegaConf.update(merged, leaf.split(".", 1)[1],
                                      OmegaConf.select(composed, leaf), force_add=True)
                 composed[key] = merged
-            theirs = _leaves(saved._get_node(key), key)
+            theirs = leaves(saved._get_node(key), key)
             differ += [f"{leaf}={mine[leaf]} (the run: {theirs[leaf]})" for leaf in chosen
                        if leaf in theirs and theirs[leaf] != mine[leaf]]
         if "ckpt" not in given or ckpt in CHECKPOINTS:

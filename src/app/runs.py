@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from app.flat import leaves
 from app.reporting.results import RESULT, read_metrics
 from app.reporting.summary import job_summary, overrides_of
 
@@ -44,18 +45,6 @@ def find_runs(root: Path) -> list[Path]:
 
 def config_of(run: Path) -> DictConfig:
     return OmegaConf.load(run / ".hydra" / "config.yaml")
-
-
-def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Every value of a config by its dotted key (a list is one value), as written."""
-    if isinstance(node, DictConfig):
-        found: dict[str, Any] = {}
-        for key in node:
-            found |= leaves(node._get_node(key), f"{prefix}.{key}" if prefix else str(key))
-        return found
-    if isinstance(node, ListConfig):
-        return {prefix: OmegaConf.to_container(node)}
-    return {prefix: node._value() if hasattr(node, "_value") else node}
 
 
 def started(run: Path) -> float:

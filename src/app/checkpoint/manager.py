@@ -291,6 +291,9 @@ class CheckpointManager:
         # backward run; the update that changes them waits for that copy.
         train_step.before_update = self.writer.hold_until_copied
         self.resumed_from: Path | None = None
+        # The trackers' run ids (MLflow ...): saved with each checkpoint, so that a resumed
+        # run, in any directory, continues the same tracker runs.
+        self.trackers: dict[str, str] = {}
         self._config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
 
     def restore(self) -> None:
@@ -318,6 +321,9 @@ class CheckpointManager:
         self.loop.load_state_dict({**state["loop"], "best": state["best"]})
         self.callbacks.load_state_dict(state.get("callbacks", {}))
         self.data.load_state_dict(state.get("data") or {})
+        trackers = state.get("trackers")
+        if isinstance(trackers, dict):
+            self.trackers.update({str(k): str(v) for k, v in trackers.items()})
         rank, world_size = dist.rank(), dist.world_size()
         if len(state["rng"]) == world_size:
             set_rng_state(state["rng"][rank])
@@ -365,6 +371,7 @@ class CheckpointManager:
             "metrics": val_metrics or {},
             "rng": rng,
             "config": self._config,
+            "trackers": dict(self.trackers),
         }
         path = self.directory / io.periodic_name(self.loop.step)
 

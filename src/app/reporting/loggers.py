@@ -61,10 +61,23 @@ class CSVLogger:
         self.rows.append(row)
 
 
-class MLflowLogger:
-    """One MLflow run per run directory (a resumed run continues it), in a local store."""
+def output_root(run_dir: Path) -> Path:
+    """The folder the runs go to (`outputs/` of `outputs/DAY/TIME`, of a sweep's
+    `outputs/multirun/DAY/TIME/N` too): the first folder of the run directory below the
+    working directory, else the run directory's parent."""
+    run_dir = run_dir.resolve()
+    try:
+        return Path.cwd() / run_dir.relative_to(Path.cwd()).parts[0]
+    except (ValueError, IndexError):
+        return run_dir.parent
 
-    def __init__(self, run_dir: Path, uri: str, experiment: str) -> None:
+
+class MLflowLogger:
+    """One MLflow run per training run: a resumed run continues it (its id is kept in the
+    checkpoints and in the run directory), also when it resumes in another directory or
+    after a Slurm requeue. A new MLflow run gets the flattened config as parameters."""
+
+    def __init__(self, run_dir: Path, config: LoggerConfig, trackers: dict[str, str]) -> None:
         try:
             # Imported here: an optional extra, and about a second to import.
             import mlflow
@@ -72,6 +85,7 @@ class MLflowLogger:
             raise UserError("logger.mlflow=true needs MLflow: pip install mlflow-skinny "
                             "(or pip install -e '.[mlflow]')") from e
         self.mlflow = mlflow
+        uri = config.mlflow_uri or f"sqlite:///{output_root(run_dir) / 'mlflow.db'}"
         artifacts = None
         if uri.startswith("sqlite:///"):  # SQLite creates the file, not its folder
             store = Path(uri.removeprefix("sqlite:///")).resolve().parent
@@ -79,14 +93,35 @@ class MLflowLogger:
             # Artifacts beside the database, not in ./mlruns of wherever the run started.
             artifacts = (store / "mlartifacts").as_uri()
         mlflow.set_tracking_uri(uri)
-        if mlflow.get_experiment_by_name(experiment) is None:
-            mlflow.create_experiment(experiment, artifact_location=artifacts)
-        mlflow.set_experiment(experiment)
+        if mlflow.get_experiment_by_name(config.mlflow_experiment) is None:
+            mlflow.create_experiment(config.mlflow_experiment, artifact_location=artifacts)
+        mlflow.set_experiment(config.mlflow_experiment)
         id_file = run_dir / ".mlflow_run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else None
-        self.run = mlflow.start_run(run_id=run_id, run_name=f"{run_dir.parent.name}/"
-                                    f"{run_dir.name}", tags={"run_dir": str(run_dir)})
+        run_id = trackers.get("mlflow") or (id_file.read_text().strip() if id_file.is_file()
+                                            else None)
+        self.run = self._start(run_id, run_dir, uri)
+        self.new = self.run.info.run_id != run_id
+        trackers["mlflow"] = self.run.info.run_id
         id_file.write_text(self.run.info.run_id + "\n")
+
+    def _start(self, run_id: str | None, run_dir: Path, uri: str) -> Any:
+        name, tags = f"{run_dir.parent.name}/{run_dir.name}", {"run_dir": str(run_dir)}
+        if run_id is not None:
+            try:
+                return self.mlflow.start_run(run_id=run_id, tags=tags)
+            except self.mlflow.exceptions.MlflowException as e:
+                log.warning("MLflow run %s (of the checkpoint) cannot be continued in %s (%s): "
+                            "a new MLflow run starts", run_id, uri, str(e).splitlines()[0])
+        return self.mlflow.start_run(run_name=name, tags=tags)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """The config as parameters, once, when the MLflow run is new (a parameter cannot
+        change within a run)."""
+        if not self.new:
+            return
+        items = [(k, str(v)[:500]) for k, v in params.items()]  # (MLflow's value limit)
+        for start in range(0, len(items), 100):  # (and its batch limit)
+            self.mlflow.log_params(dict(items[start:start + 100]))
 
     def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
         self.mlflow.log_metrics({f"{split}/{k}": v for k, v in metrics.items()}, step=step)
@@ -101,7 +136,10 @@ class MLflowLogger:
 class MetricLogger:
     """The metric sinks of rank 0; several can be active at once (csv is always)."""
 
-    def __init__(self, run_dir: Path, config: LoggerConfig, resume_step: int | None) -> None:
+    def __init__(self, run_dir: Path, config: LoggerConfig, resume_step: int | None,
+                 trackers: dict[str, str] | None = None) -> None:
+        """`trackers`: the run ids of the trackers, restored from the checkpoint on resume;
+        filled here, and saved with each checkpoint."""
         self.csv = CSVLogger(run_dir / "metrics.csv", resume_step)
         self.tb = None
         if config.tensorboard:
@@ -109,8 +147,8 @@ class MetricLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resume_step)
-        self.mlflow = MLflowLogger(run_dir, config.mlflow_uri, config.mlflow_experiment) \
-            if config.mlflow else None
+        trackers = {} if trackers is None else trackers
+        self.mlflow = MLflowLogger(run_dir, config, trackers) if config.mlflow else None
 
     def log(self, step: int, epoch: int, split: str, metrics: dict[str, float]) -> None:
         self.csv.log(step, epoch, split, metrics)
@@ -119,6 +157,18 @@ class MetricLogger:
                 self.tb.add_scalar(f"{split}/{name}", value, step)
         if self.mlflow is not None:
             self.mlflow.log(step, split, metrics)
+
+    def log_config(self, config: Any) -> None:
+        """The run's config: as text (TensorBoard, MLflow), and flattened as MLflow
+        parameters, so that runs can be filtered by learning rate or model."""
+        from omegaconf import OmegaConf
+
+        from app.flat import leaves
+
+        node = OmegaConf.structured(config)
+        self.log_text("config", OmegaConf.to_yaml(node))
+        if self.mlflow is not None:
+            self.mlflow.log_params(leaves(node))
 
     def log_text(self, tag: str, text: str) -> None:
         if self.tb is not None:

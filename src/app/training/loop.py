@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -89,7 +88,8 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     if checkpoints.resumed_from is not None and finished(state, t):  # a re-run sweep job
         log.info("already finished at step %d%s: nothing to train", state.step,
                  f" ({state.stopped_early})" if state.stopped_early else "")
-    report = _Report(cfg, run_dir, run, callbacks, resumed=checkpoints.resumed_from is not None)
+    report = _Report(cfg, run_dir, run, callbacks, resumed=checkpoints.resumed_from is not None,
+                     trackers=checkpoints.trackers)
     log.info("training %s on %s x %d: %d steps/epoch, %d steps, %d train / %d val samples",
              cfg.model["_target_"], device.type, world_size, steps_per_epoch, total_steps,
              len(data.train), len(data.val))
@@ -187,12 +187,12 @@ class _Report:
     progress bar or, without one, a log line."""
 
     def __init__(self, cfg: AppConfig, run_dir: Path, run: Run, callbacks: Callbacks,
-                 resumed: bool) -> None:
+                 resumed: bool, trackers: dict[str, str]) -> None:
         self.run, self.callbacks, self.run_dir = run, callbacks, run_dir
-        self.logger = MetricLogger(run_dir, cfg.logger, run.step if resumed else None) \
-            if dist.is_main() else None
+        self.logger = MetricLogger(run_dir, cfg.logger, run.step if resumed else None,
+                                   trackers) if dist.is_main() else None
         if self.logger is not None:
-            self.logger.log_text("config", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            self.logger.log_config(cfg)
         show = cfg.trainer.progress_bar
         show = show if show is not None else sys.stderr.isatty()
         self.bar = _progress_bar(run.total_steps, run.step) if show and dist.is_main() else None
