@@ -90,7 +90,8 @@ def test_preempted_job_requeues_and_finishes_bit_identical(tmp_path) -> None:
     overrides = ["devices=2", *TINY, "trainer.max_epochs=8", "trainer.ckpt_every_n_epochs=null"]
     sweep = tmp_path / "preempted"
     uri = f"sqlite:///{tmp_path}/mlflow.db"  # (the job's MLflow run survives the requeue)
-    proc = submit_in_background(sweep, *overrides, "logger=mlflow", f"logger.mlflow_uri={uri}")
+    proc = submit_in_background(sweep, *overrides, "logger=mlflow", f"logger.mlflow_uri={uri}",
+                                "logger.wandb=true", "logger.wandb_mode=offline")
     metrics = sweep / "0" / "metrics.csv"
     _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) > 40, 300,
               "training to start")
@@ -113,6 +114,12 @@ def test_preempted_job_requeues_and_finishes_bit_identical(tmp_path) -> None:
                         sweep / "0" / "checkpoints" / "last.pt")
     assert read_metrics(sweep / "0") == read_metrics(reference)
     _one_mlflow_run_without_gaps(uri, sweep / "0")
+    from wandb_files import offline_runs  # (tests/helpers)
+
+    attempts = offline_runs(sweep / "0")  # one W&B run, its steps going on after the requeue
+    assert len(attempts) == 2 and attempts[0]["id"] == attempts[1]["id"]
+    steps = [row["_step"] for a in attempts for row in a["history"] if "train/loss" in row]
+    assert steps == [int(r["step"]) for r in read_metrics(sweep / "0") if r["split"] == "train"]
 
 
 def _one_mlflow_run_without_gaps(uri: str, run_dir: Path) -> None:

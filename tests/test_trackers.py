@@ -1,15 +1,16 @@
-"""Trackers across a run's life: MLflow gets the flattened config as parameters, and a run
-that resumes (in its directory or in another one) continues the same MLflow run, its steps
-going on; the store defaults to the runs' folder, not the working directory. The Slurm
+"""Trackers across a run's life: MLflow and W&B get the flattened config as parameters, and a
+run that resumes (in its directory or in another one) continues the same tracker run, its
+steps going on; the store defaults to the runs' folder, not the working directory. The Slurm
 requeue case is in test_slurm (the preemption test)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
-from conftest import TINY, read_metrics, run_job
+from conftest import HELPERS, TINY, read_metrics, run_job
 
 mlflow = pytest.importorskip("mlflow")  # (an optional extra; `make install` installs it)
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -67,3 +68,21 @@ def test_the_store_defaults_to_the_runs_folder(tmp_path, monkeypatch) -> None:
     assert (tmp_path / "outputs" / "mlflow.db").is_file()
     assert not list(elsewhere.iterdir()) and not (tmp_path / "mlruns").exists()
     assert os.getcwd() == str(tmp_path)
+
+
+def test_a_resumed_run_continues_its_wandb_run_offline(tmp_path) -> None:
+    pytest.importorskip("wandb")
+    sys.path.insert(0, str(HELPERS))
+    from wandb_files import offline_runs
+
+    logged = [*TINY, "logger=wandb", "logger.wandb_mode=offline", "optimizer.lr=0.003"]
+    first, other = tmp_path / "first", tmp_path / "other"
+    run_job(first, *logged, "trainer.max_epochs=2")
+    run_job(first, *logged, "trainer.max_epochs=3")  # resume=auto: the same directory
+    run_job(other, *logged, "trainer.max_epochs=4", f"resume={first / 'checkpoints' / 'last.pt'}")
+    attempts = offline_runs(first) + offline_runs(other)
+    assert len(attempts) == 3 and len({a["id"] for a in attempts}) == 1  # one W&B run
+    assert attempts[0]["config"]["optimizer.lr"] == 0.003  # the config, flattened
+    steps = [row["_step"] for a in attempts for row in a["history"] if "train/loss" in row]
+    last = max(int(r["step"]) for r in read_metrics(other))
+    assert steps == list(range(1, last + 1))  # every step once, in order, across attempts

@@ -143,6 +143,9 @@ class LoggerConfig:
     mlflow: bool = False
     mlflow_uri: str | None = None  # null: sqlite:///<the runs' folder>/mlflow.db
     mlflow_experiment: str = "app"
+    wandb: bool = False
+    wandb_project: str = "app"
+    wandb_mode: str | None = None  # online | offline | disabled (null: W&B's, WANDB_MODE)
 
 
 @dataclass
@@ -343,6 +346,12 @@ def validate(cfg: AppConfig) -> None:
     if cfg.logger.mlflow and importlib.util.find_spec("mlflow") is None:  # (an optional extra)
         raise UserError("logger.mlflow=true needs MLflow: pip install mlflow-skinny "
                         "(or pip install -e '.[mlflow]')")
+    if cfg.logger.wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError("logger.wandb=true needs Weights & Biases: pip install wandb "
+                        "(or pip install -e '.[wandb]')")
+    if cfg.logger.wandb_mode not in (None, "online", "offline", "disabled"):
+        raise UserError(f"logger.wandb_mode={cfg.logger.wandb_mode}: expected online, offline, "
+                        f"disabled or null")
     for group in ("model", "data", "optimizer"):
         node = getattr(cfg, group)
         if not isinstance(node, dict) or "_target_" not in node:

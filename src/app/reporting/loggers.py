@@ -1,4 +1,5 @@
-"""Metric sinks of rank 0: `metrics.csv` always, TensorBoard when `logger=tensorboard`."""
+"""Metric sinks of rank 0: `metrics.csv` always; TensorBoard, MLflow and Weights & Biases
+when the `logger` group asks."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import LoggerConfig
-from app.errors import UserError
+from app.errors import Interrupted, UserError
 from app.files import appending, write_text_atomically
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,45 @@ class MLflowLogger:
     def log_text(self, tag: str, text: str) -> None:
         self.mlflow.log_text(text, f"{tag}.yaml")
 
-    def close(self) -> None:
-        self.mlflow.end_run()
+    def close(self, error: BaseException | None = None) -> None:
+        status = "FINISHED" if error is None else "KILLED" if isinstance(error, (
+            Interrupted, KeyboardInterrupt)) else "FAILED"
+        self.mlflow.end_run(status=status)
+
+
+class WandbLogger:
+    """One Weights & Biases run per training run, on rank 0, written under the run directory
+    (`wandb/`): a resumed or requeued run continues it (`resume="allow"` with the id kept in
+    the checkpoints). `logger.wandb_mode=offline` needs no network or account: `wandb sync
+    RUN_DIR/wandb/offline-run-*` uploads later, the attempts of one run into one W&B run."""
+
+    def __init__(self, run_dir: Path, config: LoggerConfig, trackers: dict[str, str]) -> None:
+        try:
+            import wandb
+        except ImportError as e:
+            raise UserError("logger.wandb=true needs Weights & Biases: pip install wandb "
+                            "(or pip install -e '.[wandb]')") from e
+        id_file = run_dir / ".wandb_run_id"
+        run_id = trackers.get("wandb") or (id_file.read_text().strip() if id_file.is_file()
+                                           else None)
+        self.new = run_id is None
+        self.run = wandb.init(
+            project=config.wandb_project, dir=str(run_dir), id=run_id,
+            resume="allow", mode=config.wandb_mode, name=f"{run_dir.parent.name}/{run_dir.name}",
+            # The console stays ours (the progress bar, the log lines): W&B reads no output.
+            settings=wandb.Settings(console="off", silent=True))
+        trackers["wandb"] = self.run.id
+        id_file.write_text(self.run.id + "\n")
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self.new:
+            self.run.config.update(params)
+
+    def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        self.run.log({f"{split}/{k}": v for k, v in metrics.items()}, step=step)
+
+    def close(self, error: BaseException | None = None) -> None:
+        self.run.finish(exit_code=0 if error is None else 1)
 
 
 class MetricLogger:
@@ -149,6 +187,7 @@ class MetricLogger:
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resume_step)
         trackers = {} if trackers is None else trackers
         self.mlflow = MLflowLogger(run_dir, config, trackers) if config.mlflow else None
+        self.wandb = WandbLogger(run_dir, config, trackers) if config.wandb else None
 
     def log(self, step: int, epoch: int, split: str, metrics: dict[str, float]) -> None:
         self.csv.log(step, epoch, split, metrics)
@@ -157,6 +196,8 @@ class MetricLogger:
                 self.tb.add_scalar(f"{split}/{name}", value, step)
         if self.mlflow is not None:
             self.mlflow.log(step, split, metrics)
+        if self.wandb is not None:
+            self.wandb.log(step, split, metrics)
 
     def log_config(self, config: Any) -> None:
         """The run's config: as text (TensorBoard, MLflow), and flattened as MLflow
@@ -167,8 +208,9 @@ class MetricLogger:
 
         node = OmegaConf.structured(config)
         self.log_text("config", OmegaConf.to_yaml(node))
-        if self.mlflow is not None:
-            self.mlflow.log_params(leaves(node))
+        for tracker in (self.mlflow, self.wandb):
+            if tracker is not None:
+                tracker.log_params(leaves(node))
 
     def log_text(self, tag: str, text: str) -> None:
         if self.tb is not None:
@@ -176,8 +218,10 @@ class MetricLogger:
         if self.mlflow is not None:
             self.mlflow.log_text(tag, text)
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """`error`: what stopped the run early (None: it ended)."""
         if self.tb is not None:
             self.tb.close()
-        if self.mlflow is not None:
-            self.mlflow.close()
+        for tracker in (self.mlflow, self.wandb):
+            if tracker is not None:
+                tracker.close(error)

@@ -94,7 +94,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
              cfg.model["_target_"], device.type, world_size, steps_per_epoch, total_steps,
              len(data.train), len(data.val))
     model.train()
-    with StopRequest() as stop, callbacks.running(run):
+    with report, StopRequest() as stop, callbacks.running(run):
         while not finished(state, t):
             micro_batches = _epoch_batches(cfg, state, data, train_loader, sampler)
             for _ in range(steps_per_epoch - state.batch_in_epoch):
@@ -129,10 +129,12 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                         losses.flush()  # never a checkpoint of weights a non-finite loss made
                     checkpoints.save(val_metrics, is_best, last=done or stopping)
                 if stopping:
-                    stop.requeue()  # when a job system asked for it (submitit on SLURM)
-                    raise Interrupted(
+                    stopped = Interrupted(
                         f"stopped by signal {signal.Signals(stop.signal).name} at step "
                         f"{state.step}; checkpoint saved: {resume_hint(run_dir)}", stop.signal)
+                    report.end_trackers(stopped)  # (a requeue ends every process of the job)
+                    stop.requeue()  # when a job system asked for it (submitit on SLURM)
+                    raise stopped
                 if done:
                     break
     report.close_bar()
@@ -189,6 +191,7 @@ class _Report:
     def __init__(self, cfg: AppConfig, run_dir: Path, run: Run, callbacks: Callbacks,
                  resumed: bool, trackers: dict[str, str]) -> None:
         self.run, self.callbacks, self.run_dir = run, callbacks, run_dir
+        self.ended = False  # the trackers ended early (a stop, an error)
         self.logger = MetricLogger(run_dir, cfg.logger, run.step if resumed else None,
                                    trackers) if dist.is_main() else None
         if self.logger is not None:
@@ -224,6 +227,25 @@ class _Report:
             self.logger.log(step, epoch, "val", metrics)
         log.info("step %d epoch %d: val loss %.4f acc %.4f%s", step, epoch,
                  metrics["loss"], metrics["acc"], " (best)" if is_best else "")
+
+    def __enter__(self) -> _Report:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> None:
+        """A run that stops by an error or a signal ends its tracker runs too, as failed or
+        killed: what they buffer is written (W&B's offline file would stay empty), and a
+        resume continues them."""
+        if error is not None:
+            self.end_trackers(error)
+
+    def end_trackers(self, error: BaseException) -> None:
+        if self.logger is None or self.ended:
+            return
+        self.ended = True
+        try:
+            self.logger.close(error)
+        except Exception as e:  # (the run's own error is the one to report)
+            log.warning("the trackers did not close: %s", e)
 
     def close_bar(self) -> None:
         if self.bar is not None:
