@@ -306,3 +306,63 @@ def test_the_snapshot_copies_what_the_jobs_import_in_the_order_they_search(tmp_p
     assert take(tmp_path / "sweep", max_mb=100).where.name == "2"  # a new one per submission
     with pytest.raises(TooLarge, match=r"over hydra.launcher.snapshot_max_mb=1e-06: raise it"):
         take(tmp_path / "sweep", max_mb=1e-6)
+
+
+def test_a_sweep_directory_of_other_values_is_refused(tmp_path) -> None:
+    from hydra_plugins.app_submitit._submission import conflicts
+
+    earlier = {0: ["optimizer.lr=0.01", "trainer.max_epochs=3"],
+               1: ["optimizer.lr=0.003", "trainer.max_epochs=3"]}
+    run_dirs = {num: tmp_path / str(num) for num in earlier}
+    for num, found in earlier.items():
+        (run_dirs[num] / ".hydra").mkdir(parents=True)
+        (run_dirs[num] / ".hydra" / "overrides.yaml").write_text(
+            "".join(f"- {o}\n" for o in found))
+    same = {0: ["optimizer.lr=0.01", "trainer.max_epochs=6"],  # a longer schedule for all
+            1: ["optimizer.lr=0.003", "trainer.max_epochs=6"]}
+    assert conflicts(same, run_dirs) == []
+    other = {0: ["optimizer.lr=0.01"], 1: ["optimizer.lr=0.02"], 2: ["optimizer.lr=0.001"]}
+    (said,) = conflicts(other, {**run_dirs, 2: tmp_path / "2"})
+    assert said == (f"job #1: its run directory {run_dirs[1]} holds a job of "
+                    f"optimizer.lr=0.003, this one is optimizer.lr=0.02")
+
+
+def test_values_no_cluster_could_mean_are_named() -> None:
+    from hydra_plugins.app_submitit._dry_run import invalid
+
+    params = {"timeout_min": 60, "signal_delay_s": 120, "mem_gb": 0, "cpus_per_task": 1,
+              "max_num_timeout": 3}
+    assert invalid(params, 3) == []  # (mem_gb=0: all of a node's memory, as Slurm reads it)
+    assert invalid({**params, "timeout_min": -5}, 3) == [
+        "hydra.launcher.timeout_min=-5: give 1 minute or more"]
+    assert "the time-limit signal would come as the job starts" in invalid(
+        {**params, "timeout_min": 1}, 3)[0]
+    assert invalid({**params, "mem_gb": -1}, -1) == [
+        "hydra.launcher.mem_gb=-1: give 0 or more",
+        "hydra.launcher.max_num_failures=-1: give 0 or more"]
+
+
+@on_the_cluster
+def test_a_sweep_of_other_values_into_a_used_sweep_directory_submits_nothing(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    held = ["hydra.launcher.wait=false", "+hydra.launcher.additional_parameters.hold=true",
+            *TINY]
+    try:
+        first = submit(sweep, *held, "optimizer.lr=0.01,0.003", timeout=120)
+        assert first.returncode == 0, first.stdout + first.stderr
+        ids = _recorded(sweep)
+        dry = submit(sweep, *held, "optimizer.lr=0.01,0.02", "hydra.launcher.dry_run=true",
+                     timeout=120)
+        assert dry.returncode == 2 and "problem: job #1: its run directory" in dry.stdout
+        again = submit(sweep, *held, "optimizer.lr=0.01,0.02", timeout=120)
+        said = again.stdout + again.stderr
+        assert again.returncode == 2, said[-3000:]
+        assert "was used by a sweep of other values: job #1: its run directory" in said
+        assert "this one is optimizer.lr=0.02" in said and "nothing was submitted" in said
+        assert _recorded(sweep) == ids  # nothing new
+        bad = submit(tmp_path / "other", *held, "hydra.launcher.timeout_min=1", timeout=120)
+        assert bad.returncode == 2 and "signal_delay_s=120 is not under timeout_min=1" in \
+            bad.stdout + bad.stderr
+        assert not (tmp_path / "other" / "submission.json").exists()
+    finally:
+        _scancel(sweep)

@@ -12,22 +12,47 @@ from typing import Any
 from app import slurm
 
 
-def arithmetic(params: dict[str, Any], num_jobs: int, arrays: list[int]) -> list[str]:
+def arithmetic(params: dict[str, Any], num_jobs: int, arrays: list[int],
+               max_num_failures: int) -> list[str]:
     """The resources of one job, and how the sweep is submitted, in plain lines."""
     nodes, tasks = params["nodes"], params["tasks_per_node"]
     cpus = (params.get("cpus_per_task") or 1) * tasks
     gpus = params.get("gpus_per_node") or 0
     mem = params.get("mem_gb")
+    # (Slurm reads --mem=0 as all of a node's memory)
+    memory = "the partition default" if mem is None else "all of a node" if mem == 0 else \
+        f"{mem} GB"
     lines = [
         f"each job: {nodes} node(s) x {tasks} task(s) = {nodes * tasks} rank(s); per node "
         f"{gpus} GPU(s), {cpus} CPU(s) ({params.get('cpus_per_task') or 1} per task), "
-        f"{'the partition default' if mem is None else f'{mem} GB'} of memory",
+        f"{memory} of memory",
         f"time limit {params['timeout_min']} min per run; requeued up to "
-        f"{params.get('max_num_timeout', 0)} time(s) at the limit (it resumes)",
+        f"{params.get('max_num_timeout', 0)} time(s) at the limit and up to {max_num_failures} "
+        f"time(s) after a fault (it resumes)",
         f"{num_jobs} job(s) in {len(arrays)} submission(s) of {', '.join(map(str, arrays))} "
         f"job(s), at most {params.get('array_parallelism', num_jobs)} running at once",
     ]
     return lines
+
+
+def invalid(params: dict[str, Any], max_num_failures: int) -> list[str]:
+    """Values no cluster could mean (checked before any submission, dry run or not)."""
+    found = []
+    timeout, delay = params.get("timeout_min"), params.get("signal_delay_s") or 0
+    if timeout is not None and timeout < 1:
+        found.append(f"hydra.launcher.timeout_min={timeout}: give 1 minute or more")
+    elif timeout is not None and delay >= timeout * 60:
+        found.append(f"hydra.launcher.signal_delay_s={delay} is not under timeout_min="
+                     f"{timeout} ({timeout * 60} s): the time-limit signal would come as the "
+                     f"job starts; raise timeout_min or lower signal_delay_s")
+    for key, least in (("mem_gb", 0), ("cpus_per_task", 1), ("max_num_timeout", 0),
+                       ("signal_delay_s", 0)):
+        value = params.get(key)
+        if value is not None and value < least:
+            found.append(f"hydra.launcher.{key}={value}: give {least} or more")
+    if max_num_failures < 0:
+        found.append(f"hydra.launcher.max_num_failures={max_num_failures}: give 0 or more")
+    return found
 
 
 def problems(params: dict[str, Any], num_jobs: int) -> list[str]:

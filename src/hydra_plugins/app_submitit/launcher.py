@@ -185,6 +185,7 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         self.code_snapshot = params.pop("code_snapshot", False)
         self.max_num_failures = params.pop("max_num_failures", 0)
         self.snapshot_max_mb = params.pop("snapshot_max_mb", 100)
+        self.followed = 0  # jobs of this sweep followed from an earlier submission
         super().__init__(**params)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
@@ -206,6 +207,12 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         if self.dry_run:
             self._dry_run(executor, nums, overrides)
+        from ._dry_run import invalid
+
+        bad = invalid(self.params, self.max_num_failures)
+        if bad:
+            log.error("%s (nothing was submitted)", "; ".join(bad))
+            sys.exit(2)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info("submitit '%s' sweep output dir: %s", self._EXECUTOR, sweep_dir)
         for num in nums:
@@ -268,11 +275,17 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
                 sweep_dir: Path) -> dict[int, Any]:
         """Submit every job that is not still queued or running from an earlier submission of
         the same sweep directory (those are followed instead); record them all."""
+        from . import _submission
+
         nums = sorted(overrides)
+        clashes = _submission.conflicts(overrides, {num: self._run_dir(num) for num in nums})
+        if clashes:
+            log.error("hydra.sweep.dir=%s was used by a sweep of other values: %s. Its run "
+                      "directories would be resumed as these jobs'; give this sweep a new "
+                      "hydra.sweep.dir (nothing was submitted)", sweep_dir, "; ".join(clashes))
+            sys.exit(2)
         jobs: dict[int, Any] = {}
         if self._EXECUTOR == "slurm":
-            from . import _submission
-
             record = _submission.read(sweep_dir)
             for num, (job_id, state) in _submission.standing(record, overrides).items():
                 log.info("job #%d (slurm job %s) is %s from an earlier submission of this "
@@ -280,12 +293,11 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
                 jobs[num] = submitit.SlurmJob(folder=self.params["submitit_folder"],
                                               job_id=job_id, tasks=range(self._num_tasks()))
         fresh = [num for num in nums if num not in jobs]
+        self.followed = len(jobs)  # (from an earlier submission)
         if fresh and self._EXECUTOR == "slurm" and self.code_snapshot:
             self._snapshot(executor, sweep_dir)
         jobs.update(self._submit_arrays(submitit, executor, fresh, overrides))
         if self._EXECUTOR == "slurm":
-            from . import _submission
-
             for num in fresh:
                 _submission.keep_config(self._run_dir(num), self.composed[num])
             _submission.write(sweep_dir, self._EXECUTOR, [
@@ -368,9 +380,11 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
                      " ".join(filter_overrides(overrides[num])) or "(no overrides)",
                      self._run_dir(num))
         ids = sorted({job.job_id.split("_")[0] for job in jobs.values()})
-        log.info("%d job(s) submitted; this command does not wait for them. Follow them with "
+        counted = f"{len(jobs) - self.followed} job(s) submitted" + (
+            f", {self.followed} from an earlier submission" if self.followed else "")
+        log.info("%s; this command does not wait for them. Follow them with "
                  "`python -m app.status %s`, summarise them once they end with "
-                 "`python -m app.report %s`, cancel them with `scancel %s`", len(jobs),
+                 "`python -m app.report %s`, cancel them with `scancel %s`", counted,
                  sweep_dir, sweep_dir, " ".join(ids))
         returns = []
         for num in sorted(jobs):
@@ -386,7 +400,8 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         from app._private import sbatch_script
         from app.slurm import max_array_size
 
-        from ._dry_run import arithmetic, chunks, problems
+        from ._dry_run import arithmetic, chunks, invalid, problems
+        from ._submission import conflicts
 
         limit = max_array_size() if self._EXECUTOR == "slurm" else None
         parts = chunks(nums, limit)
@@ -397,11 +412,14 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         for num in nums:
             print(f"job #{num}: {' '.join(filter_overrides(overrides[num])) or '(no overrides)'}"
                   f" -> {self._run_dir(num)}")
-        for line in arithmetic(self.params, len(nums), [len(p) for p in parts]):
+        for line in arithmetic(self.params, len(nums), [len(p) for p in parts],
+                               self.max_num_failures):
             print(line)
         if limit:
             print(f"the cluster's MaxArraySize is {limit}: an array holds at most {limit} jobs")
-        found = problems(self.params, len(nums)) if self._EXECUTOR == "slurm" else []
+        found = invalid(self.params, self.max_num_failures)
+        found += problems(self.params, len(nums)) if self._EXECUTOR == "slurm" else []
+        found += conflicts(overrides, {num: self._run_dir(num) for num in nums})
         for problem in found:
             print(f"problem: {problem}")
         print(f"dry run: nothing was submitted; {len(found)} problem(s) found")
