@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# A real Slurm cluster on this one machine, emulating 2 nodes (node1, node2): for trying the
-# SLURM path on a laptop and for the SLURM tests. Needs root and Debian's packages.
+# A real Slurm cluster on this one machine, emulating 3 nodes: node1 and node2 (partition
+# debug, the default) for trying the SLURM path on a laptop and for the SLURM tests, and node3
+# alone in partition faults, which a test may take down without touching the others' jobs.
+# Needs root and Debian's packages.
 #   scripts/slurm-local.sh up | down | status
-# Debian's Slurm is built with multiple-slurmd support, so two `slurmd -N nodeX` daemons run
+# Debian's Slurm is built with multiple-slurmd support, so `slurmd -N nodeX` daemons run
 # side by side on distinct ports. No accounting database: submitit's sacct calls fail and it
 # falls back to squeue.
 set -euo pipefail
 
 CONF=/etc/slurm/slurm.conf
-NODES=(node1 node2)
+NODES=(node1 node2 node3)
 CPUS=${SLURM_LOCAL_CPUS:-16}       # CPUs each emulated node offers (they share the real ones)
 MEM_MB=${SLURM_LOCAL_MEM_MB:-32000} # memory each emulated node offers (not enforced)
 MAX_ARRAY_SIZE=${SLURM_LOCAL_MAX_ARRAY_SIZE:-4}  # jobs one array may hold
@@ -31,7 +33,7 @@ write_config() {
   host=$(hostname -s)
   mkdir -p /etc/slurm /var/spool/slurmctld /var/log/slurm
   cat > "$CONF" <<EOF
-# Written by app's scripts/slurm-local.sh: one machine, two emulated nodes.
+# Written by app's scripts/slurm-local.sh: one machine, three emulated nodes.
 ClusterName=applocal
 SlurmctldHost=${host}(127.0.0.1)
 SlurmUser=root
@@ -63,10 +65,14 @@ MinJobAge=300
 MaxArraySize=${MAX_ARRAY_SIZE}
 NodeName=node1 NodeHostname=${host} NodeAddr=127.0.0.1 Port=17001 CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN
 NodeName=node2 NodeHostname=${host} NodeAddr=127.0.0.1 Port=17002 CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN
+NodeName=node3 NodeHostname=${host} NodeAddr=127.0.0.1 Port=17003 CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN
 PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP
+PartitionName=faults Nodes=node3 Default=NO MaxTime=INFINITE State=UP
 EOF
   # Node names must resolve: tasks use the first node's name as the rendezvous address.
-  grep -qE '^127\.0\.0\.1[[:space:]].*\bnode1\b' /etc/hosts || echo "127.0.0.1 node1 node2" >> /etc/hosts
+  for node in "${NODES[@]}"; do
+    grep -qE "^127\.0\.0\.1[[:space:]].*\b${node}\b" /etc/hosts || echo "127.0.0.1 ${node}" >> /etc/hosts
+  done
 }
 
 # Liveness by function, not by process name: a killed daemon can linger as a zombie that
@@ -96,8 +102,15 @@ up() {
   # A fresh controller starts with its saved state cleared (-c): jobs left in
   # StateSaveLocation by an earlier cluster (a reboot, a killed CI run) would otherwise hold
   # the nodes ALLOCATED and never release them, since nothing runs them any more.
-  # A controller already up reads the configuration again (a changed MaxArraySize).
-  if controller_up; then scontrol reconfigure >/dev/null; else rm -f /run/slurmctld.pid; slurmctld -c; fi
+  # A controller already up reads the configuration again (a changed MaxArraySize); one that
+  # lacks a node of this configuration (an older cluster of two) starts again.
+  if controller_up && timeout 10 scontrol show node node3 >/dev/null 2>&1; then
+    scontrol reconfigure >/dev/null
+  else
+    pkill -x slurmctld || true
+    for _ in $(seq 20); do pgrep -x slurmctld >/dev/null || break; sleep 0.5; done
+    rm -f /run/slurmctld.pid; slurmctld -c
+  fi
   for node in "${NODES[@]}"; do
     pgrep -f "slurmd -N $node" >/dev/null || slurmd -N "$node"
   done
@@ -105,7 +118,7 @@ up() {
     if [ "$(timeout 10 sinfo -h -o '%t' 2>/dev/null | sort -u | tr -d '\n')" = "idle" ]; then
       echo "slurm-local: up"; sinfo; return 0
     fi
-    timeout 10 scontrol update nodename=node[1-2] state=resume >/dev/null 2>&1 || true
+    timeout 10 scontrol update nodename=node[1-3] state=resume >/dev/null 2>&1 || true
     sleep 1
   done
   echo "slurm-local: nodes did not become idle:" >&2

@@ -112,21 +112,22 @@ def test_a_task_killed_by_a_signal_is_requeued_and_ends_bit_identical(tmp_path) 
 
 @on_the_cluster
 def test_a_job_whose_node_fails_is_requeued_and_ends_bit_identical(tmp_path) -> None:
+    # On node3, alone in partition faults: taking it down touches no other test's job.
     sweep = tmp_path / "node-down"
-    proc = submit_in_background(sweep, *TRAINING)
+    proc = submit_in_background(sweep, *TRAINING, "hydra.launcher.partition=faults")
     node = ""
     try:
         job = _started(sweep)
         node = job_field(job, "NodeList")
-        assert node in ("node1", "node2"), node
+        assert node == "node3", node
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=down",
                         "reason=app-test"], check=True)
         reference = run_job(tmp_path / "reference", *TRAINING).run_dir
         wait_for(lambda: job_field(job, "Restarts") == "1"
                  and job_field(job, "JobState") == "PENDING", 120, "the job to be requeued")
         release_requeued(job)
-        # (Slurm may run it on the same node again: ReturnToService=2 brings back a node
-        # that answers, as this emulated one does at once.)
+        # (on node3 again: ReturnToService=2 brings back a node that answers, as this
+        # emulated one does at once)
         _ends_like_the_reference(proc, sweep, reference)
     finally:
         if node:

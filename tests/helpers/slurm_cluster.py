@@ -20,21 +20,34 @@ HELPERS = Path(__file__).resolve().parent
 SLURM = ["launcher=slurm", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1"]
 
 
-def cluster_up() -> str | None:
+def _node_states(partition: str) -> list[str] | None:
+    try:
+        return subprocess.run(["sinfo", "-h", "-p", partition, "-o", "%t"], capture_output=True,
+                              text=True, timeout=20).stdout.split()
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def cluster_up(partition: str = "debug", wait_s: float = 60) -> str | None:
+    """None when the partition's nodes take jobs; else why not. A node that is completing a
+    job, or coming back after a test took it down, is waited for (up to `wait_s`)."""
     if shutil.which("sinfo") is None:
         return "sinfo not found"
-    try:
-        states = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
-                                timeout=20).stdout.split()
-    except subprocess.TimeoutExpired:
-        return "sinfo did not answer"
-    return None if states and set(states) <= {"idle", "mix", "alloc"} else f"nodes: {states}"
+    deadline = time.monotonic() + wait_s
+    while True:
+        states = _node_states(partition)
+        if states and set(states) <= {"idle", "mix", "alloc", "comp"}:
+            return None
+        if time.monotonic() > deadline:
+            return "sinfo did not answer" if states is None else \
+                f"partition {partition}: nodes {states or 'none'}"
+        time.sleep(1)
 
 
 @pytest.fixture(scope="module")
 def slurm_cluster() -> None:
     """Use it (pytest.mark.usefixtures) in tests that need the cluster."""
-    problem = cluster_up()
+    problem = cluster_up("debug") or cluster_up("faults")
     if problem is not None:
         message = f"no local Slurm cluster ({problem}): start one with `make slurm-up` (root)"
         if os.environ.get("CI"):
