@@ -5,6 +5,7 @@ Outside CI, without a cluster, these skip with the reason; in CI (CI=true) they 
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -142,6 +143,11 @@ def test_a_failing_rank_fails_the_job_promptly(tmp_path) -> None:
     assert "RuntimeError: injected fault" in output and "job #0" in output
     (job,) = job_ids(sweep)
     assert final_state(job) == "FAILED"
+    # The run's own record names the cause, not the collective it broke on rank 0.
+    error = json.loads((sweep / "0" / "result.json").read_text())["error"]
+    assert "rank 1 failed: RuntimeError: injected fault" in error, error
+    with open(sweep / "summary.csv", newline="") as f:
+        assert "rank 1 failed: RuntimeError: injected fault" in next(csv.DictReader(f))["error"]
     rank0 = (sweep / "0" / "logs" / "rank0.log").read_text().lower()
     assert "timed out" not in rank0 and "timeout" not in rank0.replace("timeout_s", "")
 

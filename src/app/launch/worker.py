@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from app import dist
 from app.config import AppConfig, Mode
 from app.env import ProcessEnv, enter, spawned
-from app.errors import AppError, Interrupted, one_line
+from app.errors import AppError, Interrupted, WorkerFailed, one_line
 from app.launch import watchdog
 from app.launch.rank_logs import FAILURE_LOGGER, setup_rank_logging
 from app.launch.run_lock import hold_as_worker
@@ -74,6 +74,7 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
         guard = watchdog.start(cfg.distributed.stall_timeout_s if judged else None, run_dir,
                                me.rank, me.world_size, on_stall)
         previous = None
+        started = time.time()
         try:
             result = worker(cfg, run_dir, device, me.local_world_size)
             previous = _ignore_stop_signals()
@@ -81,6 +82,14 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
         except Exception as e:
             if guard is not None:  # a collective failed as a stalled job ended: the stall
                 watchdog.hold_if_stalled(0 if isinstance(e, AppError) else 2 * guard.interval + 1)
+            _record_failure(run_dir, me.rank, e)  # (before this rank's exit ends its peers)
+            first = _first_failure(run_dir, started) if me.rank == 0 else None
+            if first is not None and first["rank"] != 0:
+                # Rank 0's own error is the collective its peer's end broke: the run's record
+                # (result.json, summaries, app.status) names the cause instead.
+                rank_log = run_dir / "logs" / f"rank{first['rank']}.log"
+                raise WorkerFailed(f"rank {first['rank']} failed: {first['error']} (traceback "
+                                   f"in {rank_log})") from e
             raise
         finally:
             if guard is not None:
@@ -88,6 +97,29 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
             dist.destroy()
             for sig, handler in (previous or {}).items():
                 signal.signal(sig, handler)
+
+
+def _record_failure(run_dir: Path, rank: int, error: BaseException) -> None:
+    """What ended this rank, and when: rank 0 reads the others' (a torchrun or Slurm job's
+    ranks share no launcher that would see them all)."""
+    try:
+        (run_dir / "logs" / f"rank{rank}.failed.json").write_text(json.dumps(
+            {"rank": rank, "time": time.time(), "error": one_line(error)}))
+    except OSError:
+        pass  # (the error itself is what the rank reports)
+
+
+def _first_failure(run_dir: Path, since: float) -> dict[str, Any] | None:
+    """The earliest failure any rank recorded in this run of the job."""
+    found = []
+    for path in (run_dir / "logs").glob("rank*.failed.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("time", 0) >= since:
+            found.append(record)
+    return min(found, key=lambda r: r["time"], default=None)
 
 
 def _ignore_stop_signals() -> dict[int, Any]:
