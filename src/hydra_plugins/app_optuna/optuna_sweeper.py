@@ -1,0 +1,146 @@
+"""The Optuna sweeper of `hparams_search=...`, made resumable: the study is kept in the sweep
+directory (`SWEEP/optuna_study.pkl`, its trials, written before each batch of trials starts
+and at the end), and the same command with the same `hydra.sweep.dir` continues to the
+requested total of completed trials instead of starting again. Trials it adds take job numbers
+after the earlier ones, so no new trial resumes an old trial's run directory; a trial the
+interruption cut off is dropped (it never reported) and another takes its place. (Neither
+Hydra's plugin nor lightning-hydra-template does this: Hydra #3328, lightning-hydra-template
+#535.) A file and not Optuna's own database: the sweeper pins optuna 2.x, whose database
+storage fails with the SQLAlchemy 2 that the other packages need. `hydra.sweeper.storage`
+set to a database URL keeps Optuna's own storage, resumed the same way.
+
+Defined only where hydra-optuna-sweeper is installed (an optional extra): Hydra imports every
+plugin module at start-up, and a missing extra must not warn on every run.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
+STUDY_FILE = "optuna_study.pkl"
+
+try:
+    from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
+except ImportError:  # (the optional extra is not installed)
+    OptunaSweeper = None
+
+
+def _save(path: Path, storage: Any, study_name: str, next_job: int,
+          running_from: int | None = None) -> None:
+    """The trials told so far; those still running (the batch now starting, or the one an
+    interruption cut off) with the job number of the first of them, to run again there."""
+    import optuna
+
+    from app.files import write_bytes_atomically
+
+    trials = optuna.load_study(study_name=study_name, storage=storage).trials
+    running = [t.params for t in sorted(trials, key=lambda t: t.number)
+               if t.state == optuna.trial.TrialState.RUNNING]
+    write_bytes_atomically(path, pickle.dumps({
+        "trials": [t for t in trials if t.state != optuna.trial.TrialState.RUNNING],
+        "next_job": next_job, "running": running if running_from is not None else [],
+        "running_from": running_from}))
+
+
+def _reseed(impl: Any, count: int) -> None:
+    """A seeded sampler starts its random numbers again in each process: a resumed study would
+    draw the first trials' random suggestions again. Seed it with the seed plus the trials
+    done (optuna 2.x keeps its generators in these attributes)."""
+    import numpy
+
+    seed = OmegaConf.select(impl.config, "hydra.sweeper.sampler.seed", default=None)
+    for sampler in (impl.sampler, getattr(impl.sampler, "_random_sampler", None)):
+        if seed is not None and hasattr(sampler, "_rng"):
+            sampler._rng = numpy.random.RandomState(int(seed) + count)
+
+
+def resume(impl: Any) -> Path | None:
+    """Give the sweeper the sweep directory's study, with the trials done so far and the
+    number still to run; the file that keeps it (None: the user's own database keeps it)."""
+    import optuna
+
+    sweep_dir = Path(str(impl.config.hydra.sweep.dir)).resolve()
+    path: Path | None = None
+    if impl.storage is not None:  # the user's database
+        try:
+            done = optuna.load_study(study_name=impl.study_name, storage=impl.storage).trials
+        except KeyError:  # a new study
+            return None
+        next_job = len(done)
+    else:
+        path = sweep_dir / STUDY_FILE
+        kept = pickle.loads(path.read_bytes()) if path.is_file() else {"trials": [],
+                                                                         "next_job": 0}
+        impl.storage = optuna.storages.InMemoryStorage()
+        with warnings.catch_warnings():  # ("add_trial is experimental" in optuna 2.x)
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.create_study(study_name=impl.study_name, storage=impl.storage,
+                                directions=impl._get_directions()).add_trials(kept["trials"])
+        done, next_job = kept["trials"], kept["next_job"]
+        if kept.get("running"):
+            # Cut off by the interruption: run again first, in their own run directories
+            # (job numbers), where they resume from their checkpoints.
+            study = optuna.load_study(study_name=impl.study_name, storage=impl.storage)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                for params in kept["running"]:
+                    study.enqueue_trial(params)
+            next_job = kept["running_from"]
+    if done:
+        _reseed(impl, len(done))
+        complete = sum(t.state == optuna.trial.TrialState.COMPLETE for t in done)
+        wanted = impl.n_trials
+        impl.n_trials, impl.job_idx = max(0, wanted - complete), next_job
+        log.info("study %s resumed: %d of %d trials completed; %d to go, as jobs #%d on",
+                 impl.study_name, complete, wanted, impl.n_trials, next_job)
+    return path
+
+
+if OptunaSweeper is not None:
+
+    class AppOptunaSweeper(OptunaSweeper):
+        def sweep(self, arguments: list[str]) -> None:
+            impl = self.sweeper
+            path = resume(impl)
+            if path is None:
+                return impl.sweep(arguments)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            launch, next_job = impl.launcher.launch, [impl.job_idx]
+            running_from: list[int | None] = [None]  # the first job of the last batch
+
+            def launch_and_keep(overrides: Any, initial_job_idx: int) -> Any:
+                # The trials told so far, before this batch starts: a kill during it loses
+                # only the batch, whose job numbers are not given again.
+                next_job[0] = initial_job_idx + len(overrides)
+                running_from[0] = initial_job_idx
+                _save(path, impl.storage, impl.study_name, next_job[0], initial_job_idx)
+                # (running_from stays: a stop before the sweeper has told these results runs
+                # them again, and their finished runs return at once)
+                return launch(overrides, initial_job_idx=initial_job_idx)
+
+            impl.launcher.launch = launch_and_keep
+            # Between trials no handler of the app's is set: SIGTERM would end the process
+            # before the trials told since the last batch are kept.
+            previous = signal.signal(signal.SIGTERM, _exit) if \
+                threading.current_thread() is threading.main_thread() else None
+            try:
+                return impl.sweep(arguments)
+            finally:
+                if previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
+                impl.launcher.launch = launch
+                _save(path, impl.storage, impl.study_name, max(next_job[0], impl.job_idx),
+                      running_from[0])
+
+
+def _exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
