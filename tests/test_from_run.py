@@ -97,3 +97,37 @@ def test_what_is_not_a_usable_run_is_one_line(tmp_path, make, words) -> None:
 def test_a_run_checkpoint_word_without_a_run_is_refused(tmp_path) -> None:
     with pytest.raises(UserError, match="ckpt=best names a checkpoint of a run"):
         run_job(tmp_path / "eval", "trainer=eval", "ckpt=best")
+
+
+def test_run_and_resume_together_are_refused(sweep, tmp_path) -> None:
+    with pytest.raises(UserError, match="choose one"):
+        run_job(tmp_path / "both", f"run={sweep / '0'}",
+                f"resume={sweep / '1' / 'checkpoints' / 'last.pt'}")
+
+
+def test_a_key_the_runs_model_lacks_is_named_and_a_file_is_not_a_run(sweep, tmp_path,
+                                                                     caplog) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from app.from_run import apply_run
+    from conftest import CONF_DIR
+
+    overrides = ["trainer=eval", f"run={sweep / '0'}", "+model.hidden=[7]"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = compose("config", overrides=overrides)
+    with caplog.at_level("WARNING", logger="app.from_run"):
+        apply_run(composed, overrides)
+    assert "model.hidden=[7] (the run has no model.hidden)" in caplog.text
+    with pytest.raises(UserError, match="a file, not a run directory"):
+        run_job(tmp_path / "file", "trainer=eval",
+                f"run={sweep / '0' / 'checkpoints' / 'best.pt'}")
+
+
+def test_resuming_a_finished_run_longer_warns_that_its_schedule_ended(sweep, tmp_path) -> None:
+    import shutil
+
+    run = tmp_path / "again"
+    shutil.copytree(sweep / "0", run)
+    job = run_job(run, *TRAINED[:-2], "trainer.max_epochs=4", "optimizer.lr=0.01")
+    assert "resumed with trainer.max_epochs=4 (saved: 3): the learning-rate schedule goes on " \
+           "as it was saved" in job.output, job.output[-2000:]

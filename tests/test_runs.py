@@ -100,3 +100,14 @@ def test_a_filter_that_is_not_key_value_is_refused(outputs, capsys) -> None:
         runs.main(["ls", str(outputs), "optimizer.lr"])
     assert exited.value.code == 2
     assert "a filter is KEY=VALUE" in capsys.readouterr().err
+
+
+def test_filters_by_group_option_and_number_and_a_misspelt_key_is_named(outputs, capsys) -> None:
+    _, lines = _run(capsys, "ls", str(outputs), "model=cnn")  # (the group's option)
+    assert lines[-1] == "4 run(s)"
+    _, lines = _run(capsys, "ls", str(outputs), "optimizer.lr=3e-3")  # (0.003: a number)
+    assert lines[-1] == "4 run(s)", lines
+    _, lines = _run(capsys, "ls", str(outputs), "optimzer.lr=0.003", "--status", "bogus")
+    assert lines == [f"no runs under {outputs} that match",
+                     "  optimzer.lr: no run here has this key",
+                     "  --status bogus: the runs here are completed, failed"]

@@ -254,3 +254,14 @@ def test_the_resume_hint_names_the_sweep_for_a_job_of_a_sweep(tmp_path) -> None:
     (tmp_path / "multirun.yaml").write_text("hydra: {}\n")
     assert resume_hint(tmp_path / "3") == f"run the sweep's command again with " \
                                           f"hydra.sweep.dir={tmp_path} to resume"
+
+
+def test_the_resume_hint_knows_a_sweep_job_without_multirun_yaml(tmp_path) -> None:
+    """The Optuna sweeper writes no multirun.yaml: the job's own hydra.yaml says MULTIRUN."""
+    from app.run_name import resume_hint
+
+    job = tmp_path / "search" / "1"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "hydra.yaml").write_text("hydra:\n  mode: MULTIRUN\n")
+    assert resume_hint(job) == f"run the sweep's command again with " \
+                               f"hydra.sweep.dir={tmp_path / 'search'} to resume"

@@ -46,6 +46,8 @@ def _set(given: set[str], leaf: str) -> bool:
 
 def saved_config(run: str) -> tuple[Path, DictConfig]:
     path = Path(run).expanduser()
+    if path.is_file():
+        raise UserError(f"run={run}: a file, not a run directory (a checkpoint goes in ckpt=)")
     if not path.is_dir():
         raise UserError(f"run={run}: no such run directory")
     saved = path / ".hydra" / "config.yaml"
@@ -80,8 +82,13 @@ def apply_run(composed: DictConfig, overrides: list[str]) -> DictConfig:
             raise UserError(f"ckpt={ckpt} names a checkpoint of a run: add run=RUN_DIR, or "
                             f"give ckpt=PATH/TO/{CHECKPOINTS[ckpt]}")
         return composed
+    if composed.get("resume") not in (None, "auto"):
+        raise UserError(f"run={run} and resume={composed.get('resume')}: choose one (run= takes "
+                        f"a run's weights for a new schedule, resume= continues a checkpoint)")
     path, saved = saved_config(str(run))
     given = given_keys(overrides)
+    if ckpt is None:  # (ckpt=null on the command line: the run's own, as without it)
+        given.discard("ckpt")
     composed = composed.copy()
     differ: list[str] = []
     with read_write(composed), open_dict(composed):
@@ -100,8 +107,9 @@ def apply_run(composed: DictConfig, overrides: list[str]) -> DictConfig:
                                      OmegaConf.select(composed, leaf), force_add=True)
                 composed[key] = merged
             theirs = leaves(saved._get_node(key), key)
-            differ += [f"{leaf}={mine[leaf]} (the run: {theirs[leaf]})" for leaf in chosen
-                       if leaf in theirs and theirs[leaf] != mine[leaf]]
+            differ += [f"{leaf}={mine[leaf]} (the run: {theirs[leaf]})" if leaf in theirs
+                       else f"{leaf}={mine[leaf]} (the run has no {leaf})" for leaf in chosen
+                       if theirs.get(leaf, object()) != mine[leaf]]
         if "ckpt" not in given or ckpt in CHECKPOINTS:
             composed["ckpt"] = _checkpoint(path, ckpt, str(run))
     if differ:

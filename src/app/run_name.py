@@ -47,6 +47,11 @@ def resume_hint(run_dir: Path) -> str:
     resumed by the sweep's command with its sweep directory (on the same launcher, Slurm
     too), a single run by its run directory."""
     sweep = run_dir.parent
-    if (sweep / "multirun.yaml").is_file():
+    hydra_yaml = run_dir / ".hydra" / "hydra.yaml"
+    try:  # (the Optuna sweeper writes no multirun.yaml; every job's hydra.yaml has its mode)
+        multirun = "mode: MULTIRUN" in hydra_yaml.read_text() if hydra_yaml.is_file() else False
+    except OSError:
+        multirun = False
+    if (sweep / "multirun.yaml").is_file() or multirun:
         return f"run the sweep's command again with hydra.sweep.dir={sweep} to resume"
     return f"run again with hydra.run.dir={run_dir} to resume"

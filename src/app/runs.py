@@ -60,19 +60,59 @@ def describe(run: Path) -> dict[str, Any]:
             "monitor": summary["monitor"], "best": summary["best"],
             "steps": summary["steps"], "wall_s": summary["wall_s"],
             "started": started(run), "command": " ".join(overrides_of(run)),
-            "error": summary["error"], "config": config}
+            "error": summary["error"], "config": config, "choices": _choices(run)}
+
+
+def _choices(run: Path) -> dict[str, Any]:
+    """The run's option of each config group (Hydra's runtime.choices)."""
+    try:
+        hydra = OmegaConf.load(run / ".hydra" / "hydra.yaml")
+    except (OSError, ValueError):
+        return {}
+    choices = OmegaConf.select(hydra, "hydra.runtime.choices", default=None)
+    return dict(OmegaConf.to_container(choices)) if choices is not None else {}
+
+
+_MISSING = object()
+
+
+def value_of(run: dict[str, Any], key: str) -> Any:
+    """The run's value of a config key, or its choice of a group (`model` -> `mlp`)."""
+    key = key.lstrip("+")
+    if "." not in key and key in run["choices"]:
+        return run["choices"][key]
+    have = OmegaConf.select(run["config"], key, default=_MISSING)
+    return OmegaConf.to_container(have) if isinstance(have, (DictConfig, ListConfig)) else have
+
+
+def _same(have: Any, value: str) -> bool:
+    wanted = yaml.safe_load(value)
+    if have == wanted or str(have) == value:
+        return True
+    try:  # numbers as numbers: 1e-3 is 0.001
+        return float(have) == float(value)
+    except (TypeError, ValueError):
+        return False
 
 
 def matches(run: dict[str, Any], wanted: list[str]) -> bool:
     """Whether the run's config has each KEY=VALUE (values compared as YAML reads them)."""
     for item in wanted:
         key, _, value = item.partition("=")
-        have = OmegaConf.select(run["config"], key.lstrip("+"), default=None)
-        if isinstance(have, (DictConfig, ListConfig)):
-            have = OmegaConf.to_container(have)
-        if have != yaml.safe_load(value) and str(have) != value:
+        have = value_of(run, key)
+        if have is _MISSING or not _same(have, value):
             return False
     return True
+
+
+def _why_none(runs: list[dict[str, Any]], wanted: list[str], status: str | None) -> list[str]:
+    """What in the filters no run has: a misspelt key reads otherwise as "no such runs"."""
+    said = [f"{item.partition('=')[0]}: no run here has this key" for item in wanted
+            if all(value_of(r, item.partition("=")[0]) is _MISSING for r in runs)]
+    statuses = sorted({r["status"] for r in runs})
+    if status is not None and not any(s.startswith(status) for s in statuses):
+        said.append(f"--status {status}: the runs here are {', '.join(statuses)}")
+    return said
 
 
 def _order(run: dict[str, Any]) -> tuple:
@@ -108,11 +148,13 @@ def cmd_ls(root: Path, wanted: list[str], status: str | None) -> int:
     if not root.is_dir():
         print(f"error: {root}: no such folder", file=sys.stderr)
         return 2
-    runs = [describe(r) for r in find_runs(root)]
-    runs = [r for r in runs if matches(r, wanted) and (status is None or
-                                                       r["status"].startswith(status))]
+    every = [describe(r) for r in find_runs(root)]
+    runs = [r for r in every if matches(r, wanted) and (status is None or
+                                                        r["status"].startswith(status))]
     if not runs:
         print(f"no runs under {root}" + (" that match" if wanted or status else ""))
+        for line in _why_none(every, wanted, status) if every else []:
+            print(f"  {line}")
         return 0
     runs.sort(key=_order)
     rows = [["run", "status", "mode", "best", "steps", "wall_s", "started", "command"]]
@@ -251,4 +293,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # (`| head`: the reader has what it wanted)
+        sys.stderr.close()
+        sys.exit(0)

@@ -312,6 +312,19 @@ class CheckpointManager:
         elif cfg.ckpt is not None:
             self._fine_tune(cfg.ckpt)
 
+    def _warn_if_the_schedule_changed(self, state: dict[str, Any]) -> None:
+        """A resume continues the saved learning-rate schedule, made for the saved length: a
+        longer run trains its extra steps at the schedule's end (0 for cosine)."""
+        saved = (state.get("config") or {}).get("trainer") or {}
+        now = self.cfg.trainer
+        changed = [f"trainer.{k}={getattr(now, k)} (saved: {saved[k]})"
+                   for k in ("max_epochs", "max_steps")
+                   if k in saved and saved[k] != getattr(now, k)]
+        if changed:
+            log.warning("resumed with %s: the learning-rate schedule goes on as it was saved, "
+                        "for the old length; to train further on a new schedule, start from "
+                        "this run's weights with run=RUN_DIR (docs/runs.md)", ", ".join(changed))
+
     def _resume(self, path: Path, state: dict[str, Any]) -> None:
         step = self.train_step
         load_model_weights(step.model, state, path)
@@ -331,6 +344,7 @@ class CheckpointManager:
             log.warning("checkpoint has random states of %d ranks, this run has %d: the run "
                         "continues, but not bit-identically", len(state["rng"]), world_size)
         log.info("resumed from %s at step %d (epoch %d)", path, self.loop.step, self.loop.epoch)
+        self._warn_if_the_schedule_changed(state)
         if dist.is_main():
             repair_names(self.directory, path, state)
         self.resumed_from = path
