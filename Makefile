@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 STAMP := .installed
 
-.PHONY: help install run test test-slow bench lint clean slurm-up slurm-down
+.PHONY: help install run test test-slow test-gpu bench lint clean slurm-up slurm-down
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -31,6 +31,9 @@ test: $(STAMP)  ## run the test suite
 # The four slow trials on two workers: 10 min against about 15 one at a time (docs/measurements.md).
 test-slow: $(STAMP)  ## the slow fault trials: SIGKILL during checkpoints, a soak, override fuzzing
 	$(PYTHON) -m pytest -m slow -n 2 -rP
+
+test-gpu: $(STAMP)  ## the GPU lane, on a machine with CUDA (elsewhere each test skips, saying why)
+	$(PYTHON) -m pytest -rs -o addopts="" tests/test_gpu.py tests/test_models.py
 
 bench: $(STAMP)  ## benchmarks against baselines, side by side; writes BENCHMARKS.md
 	$(PYTHON) bench/run.py

@@ -1,0 +1,53 @@
+"""The GPU lane (`make test-gpu`, marker `gpu`): what only a CUDA machine can check. Skipped
+with the reason on machines without CUDA (CI's, this project's CPU machines): a skip there is
+not a pass. Tests that need two GPUs say so where one is lent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.errors import UserError
+from conftest import TINY, run_job
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: run `make test-gpu` on a GPU machine")]
+CUDA = ["accelerator=cuda", "accelerator_strict=true", *TINY]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                              reason="needs 2 GPUs (NCCL takes one device per rank)")
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed", "16-mixed"])
+def test_each_precision_trains_on_the_gpu(tmp_path, precision) -> None:
+    job = run_job(tmp_path / "run", *CUDA, f"precision={precision}")
+    assert job.value is not None and job.value > 0.5, (precision, job.value)  # (chance: 0.1)
+    assert "on cuda x 1" in job.output, job.output[-2000:]
+
+
+def test_compile_trains_on_the_gpu(tmp_path) -> None:
+    job = run_job(tmp_path / "run", *CUDA, "compile=true", "precision=bf16-mixed")
+    assert job.value is not None and job.value > 0.5
+
+
+def test_occupy_reserves_gpu_memory(tmp_path) -> None:
+    job = run_job(tmp_path / "run", *CUDA, "occupy=0.05", "trainer.max_epochs=1")
+    assert "occupy=0.05: reserved" in job.output, job.output[-2000:]
+
+
+def test_device_id_picks_the_device_and_a_missing_one_is_one_line(tmp_path) -> None:
+    run_job(tmp_path / "run", *CUDA, "device_id=0", "trainer.max_epochs=1")
+    with pytest.raises(UserError, match=f"device_id={torch.cuda.device_count()}"):
+        run_job(tmp_path / "missing", *CUDA, f"device_id={torch.cuda.device_count()}")
+
+
+@two_gpus
+def test_nccl_ddp_on_two_gpus(tmp_path) -> None:
+    job = run_job(tmp_path / "run", *CUDA, "devices=2")
+    assert job.value is not None and job.value > 0.5
+
+
+@two_gpus
+def test_sync_batchnorm_on_two_gpus(tmp_path) -> None:
+    job = run_job(tmp_path / "run", *CUDA, "devices=2", "model.batch_norm=true",
+                  "distributed.sync_batchnorm=true")
+    assert job.value is not None and job.value > 0.5
