@@ -233,3 +233,21 @@ def test_summary_picture_names_what_became_of_jobs_without_a_value(tmp_path, mon
     # No bar and an empty cell: the picture says why, in both panels.
     assert texts.count("failed") == 2 and texts.count("running or killed") == 2, texts
     assert texts.count("0.9000") == 1  # a cell of the heat map
+
+
+def test_a_sweep_of_other_values_into_a_used_sweep_directory_runs_nothing(tmp_path) -> None:
+    """Job #1 would have resumed the run directory of another learning rate as its own (and
+    reported its result); a longer schedule for the whole sweep resumes it as before."""
+    short = ["model.channels=[8,16]", "trainer.max_epochs=1", "trainer.progress_bar=false"]
+    first, _ = multirun(tmp_path, "optimizer.lr=0.01,0.003", *short)
+    assert first.returncode == 0, first.stderr[-2000:]
+    other, jobs = multirun(tmp_path, "optimizer.lr=0.01,0.02", *short)
+    assert other.returncode == 2 and len(jobs) == 2  # (the first sweep's returns only)
+    assert ("was used by a sweep of other values: job #1: its run directory "
+            f"{tmp_path / 'sweep' / '1'} holds a job of optimizer.lr=0.003, this one is "
+            "optimizer.lr=0.02") in other.stdout + other.stderr
+    assert "optimizer.lr=0.003" in (tmp_path / "sweep" / "1" / ".hydra" / "overrides.yaml"
+                                    ).read_text()  # untouched
+    longer, jobs = multirun(tmp_path, "optimizer.lr=0.01,0.003",
+                            *[o.replace("=1", "=2") if "max_epochs" in o else o for o in short])
+    assert longer.returncode == 0 and len(jobs) == 4, longer.stderr[-2000:]

@@ -160,6 +160,11 @@ class SweepSummary(Callback):
     """Hydra callback: mark each attempt of a job in its train.log; keep the sweep's table
     current after each job; print it at the end."""
 
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from app.sweep_dirs import refuse_other_values
+
+        refuse_other_values(config, log)
+
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Before Hydra writes .hydra/ and opens train.log: a refused command writes nothing.
         claim_for_run(config)

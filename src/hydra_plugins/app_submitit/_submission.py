@@ -63,34 +63,6 @@ def standing(record: dict[str, Any], overrides: dict[int, list[str]]) -> dict[in
     return found
 
 
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def conflicts(overrides: dict[int, list[str]], run_dirs: dict[int, Path]) -> list[str]:
-    """Jobs whose run directory holds an earlier job of another setting: the same number in
-    the same sweep directory, but another value of a key this sweep varies (that directory
-    would be resumed as this job's). One line each. The keys every job shares may change (a
-    longer schedule for the whole sweep, say)."""
-    values = {num: {_key(o): o for o in found} for num, found in overrides.items()}
-    swept = {key for found in values.values() for key in found
-             if len({v.get(key) for v in values.values()}) > 1}
-    said = []
-    for num, run_dir in sorted(run_dirs.items()):
-        try:
-            earlier = OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")
-        except (OSError, ValueError, TypeError, AttributeError):
-            continue
-        earlier = {_key(str(o)): str(o) for o in earlier}
-        differ = [k for k in sorted(swept) if earlier.get(k) != values[num].get(k)]
-        if differ:
-            before = " ".join(earlier.get(k, f"(no {k})") for k in differ)
-            now = " ".join(values[num].get(k, f"(no {k})") for k in differ)
-            said.append(f"job #{num}: its run directory {run_dir} holds a job of {before}, "
-                        f"this one is {now}")
-    return said
-
-
 def write(sweep_dir: Path, launcher: str, jobs: list[dict[str, Any]], wait: bool,
           submitit_folder: str) -> None:
     """Record the jobs of this submission; jobs of an earlier one that this one did not

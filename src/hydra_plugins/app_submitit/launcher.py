@@ -275,10 +275,12 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
                 sweep_dir: Path) -> dict[int, Any]:
         """Submit every job that is not still queued or running from an earlier submission of
         the same sweep directory (those are followed instead); record them all."""
+        from app.sweep_dirs import conflicts
+
         from . import _submission
 
         nums = sorted(overrides)
-        clashes = _submission.conflicts(overrides, {num: self._run_dir(num) for num in nums})
+        clashes = conflicts(overrides, {num: self._run_dir(num) for num in nums})
         if clashes:
             log.error("hydra.sweep.dir=%s was used by a sweep of other values: %s. Its run "
                       "directories would be resumed as these jobs'; give this sweep a new "
@@ -399,9 +401,9 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         fits, 2 if not) without submitting."""
         from app._private import sbatch_script
         from app.slurm import max_array_size
+        from app.sweep_dirs import conflicts
 
         from ._dry_run import arithmetic, chunks, invalid, problems
-        from ._submission import conflicts
 
         limit = max_array_size() if self._EXECUTOR == "slurm" else None
         parts = chunks(nums, limit)

@@ -1,0 +1,72 @@
+"""A sweep directory used again: the same command resumes its jobs (job N in `SWEEP/N`), but
+a sweep of other values would resume another job's run directory as its own, and report
+that job's result. `conflicts` finds such jobs; the submitit launchers and, for Hydra's basic
+sweeper, the sweep summary's start refuse them before any job runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def conflicts(overrides: dict[int, list[str]], run_dirs: dict[int, Path]) -> list[str]:
+    """Jobs whose run directory holds an earlier job of another setting: the same number in
+    the same sweep directory, but another value of a key this sweep varies (that directory
+    would be resumed as this job's). One line each. The keys every job shares may change (a
+    longer schedule for the whole sweep, say)."""
+    values = {num: {_key(o): o for o in found} for num, found in overrides.items()}
+    swept = {key for found in values.values() for key in found
+             if len({v.get(key) for v in values.values()}) > 1}
+    said = []
+    for num, run_dir in sorted(run_dirs.items()):
+        try:
+            earlier = OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+        earlier = {_key(str(o)): str(o) for o in earlier}
+        differ = [k for k in sorted(swept) if earlier.get(k) != values[num].get(k)]
+        if differ:
+            before = " ".join(earlier.get(k, f"(no {k})") for k in differ)
+            now = " ".join(values[num].get(k, f"(no {k})") for k in differ)
+            said.append(f"job #{num}: its run directory {run_dir} holds a job of {before}, "
+                        f"this one is {now}")
+    return said
+
+
+def basic_sweep_jobs(config: DictConfig) -> dict[int, list[str]] | None:
+    """Each job's overrides as Hydra's basic sweeper will number them (None: another sweeper,
+    or run directories not named by the job number)."""
+    sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default=""))
+    launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
+    subdir = config.hydra.sweep._get_node("subdir")._value()
+    if not sweeper.endswith(".BasicSweeper") or subdir != "${hydra.job.num}" or \
+            launcher.startswith("hydra_plugins.app_submitit."):  # (which check, dry run too)
+        return None
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    return dict(enumerate(jobs))
+
+
+def refuse_other_values(config: DictConfig, log: Any) -> None:
+    """At a basic sweep's start: exit 2, naming the jobs, if its directory holds a sweep of
+    other values."""
+    jobs = basic_sweep_jobs(config)
+    if not jobs:
+        return
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    clashes = conflicts(jobs, {num: sweep_dir / str(num) for num in jobs})
+    if clashes:
+        log.error("hydra.sweep.dir=%s was used by a sweep of other values: %s. Its run "
+                  "directories would be resumed as these jobs'; give this sweep a new "
+                  "hydra.sweep.dir (no job was run)", sweep_dir, "; ".join(clashes))
+        sys.exit(2)
