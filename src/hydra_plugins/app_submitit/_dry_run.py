@@ -7,6 +7,7 @@ has). The module name starts with "_": Hydra's plugin scan skips it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from app import slurm
@@ -106,3 +107,34 @@ def chunks(nums: list[int], max_array_size: int | None) -> list[list[int]]:
     size = max(1, max_array_size or len(nums))
     return [nums[start:start + size] for start in range(0, len(nums), size)]
 
+
+def report(executor: Any, params: dict[str, Any], max_num_failures: int,
+           overrides: dict[int, list[str]], run_dirs: dict[int, Path], on_slurm: bool) -> int:
+    """Print the sbatch scripts, the jobs, the arithmetic and the problems found; the exit
+    status (2: a problem, 0: none)."""
+    from hydra.core.utils import filter_overrides
+
+    from app._private import sbatch_script
+    from app.sweep_dirs import conflicts
+
+    nums = sorted(overrides)
+    limit = slurm.max_array_size() if on_slurm else None
+    parts = chunks(nums, limit)
+    for part in parts:
+        print(f"# sbatch script of jobs #{part[0]}-#{part[-1]} ({len(part)} job(s))"
+              if len(part) > 1 else f"# sbatch script of job #{part[0]}")
+        print(sbatch_script(executor, len(part)))
+    for num in nums:
+        print(f"job #{num}: {' '.join(filter_overrides(overrides[num])) or '(no overrides)'}"
+              f" -> {run_dirs[num]}")
+    for line in arithmetic(params, len(nums), [len(p) for p in parts], max_num_failures):
+        print(line)
+    if limit:
+        print(f"the cluster's MaxArraySize is {limit}: an array holds at most {limit} jobs")
+    found = invalid(params, max_num_failures)
+    found += problems(params, len(nums)) if on_slurm else []
+    found += conflicts(overrides, run_dirs)
+    for problem in found:
+        print(f"problem: {problem}")
+    print(f"dry run: nothing was submitted; {len(found)} problem(s) found")
+    return 2 if found else 0

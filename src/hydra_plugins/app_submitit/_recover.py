@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 COUNT_FILE = "app-failures"  # one line per requeue after a failure, in the job's folder
 
@@ -79,6 +81,31 @@ def main(argv: list[str]) -> int:
           f"{max_failures}); it resumes from last.pt", file=sys.stderr)
     subprocess.run(["scontrol", "requeue", jid], check=False)
     return status
+
+
+def requeued(job: Any, confirm_s: float = 10.0) -> bool:
+    """For the waiting command: whether a job seen in a final state without a result from
+    every task, none of which raised, runs again. The faults it recovers from (a task killed
+    by a signal, a node that failed) requeue it, and the watcher can catch the state it
+    passes on the way."""
+    from app import slurm
+    from app._private import slurm_watcher
+
+    from ._job_report import outcomes
+
+    state = job.state.split()[0].upper() if job.state else ""
+    results = outcomes(job, grace_s=0)
+    if state not in ("FAILED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY") or any(
+            r is not None and r[0] == "error" for r in results) or None not in results:
+        return False
+    deadline = time.monotonic() + confirm_s
+    while time.monotonic() < deadline:
+        listed = (slurm.jobs() or {}).get(job.job_id)
+        if listed is not None and listed.active:
+            slurm_watcher().forget(job.job_id)
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def teardown_lines(folder: str, max_failures: int) -> list[str]:

@@ -25,7 +25,6 @@ import math
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -399,33 +398,10 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
     def _dry_run(self, executor: Any, nums: list[int], overrides: dict[int, list[str]]) -> None:
         """Print what would be submitted and what the cluster would refuse; exit (0 if it
         fits, 2 if not) without submitting."""
-        from app._private import sbatch_script
-        from app.slurm import max_array_size
-        from app.sweep_dirs import conflicts
+        from ._dry_run import report
 
-        from ._dry_run import arithmetic, chunks, invalid, problems
-
-        limit = max_array_size() if self._EXECUTOR == "slurm" else None
-        parts = chunks(nums, limit)
-        for part in parts:
-            print(f"# sbatch script of jobs #{part[0]}-#{part[-1]} ({len(part)} job(s))"
-                  if len(part) > 1 else f"# sbatch script of job #{part[0]}")
-            print(sbatch_script(executor, len(part)))
-        for num in nums:
-            print(f"job #{num}: {' '.join(filter_overrides(overrides[num])) or '(no overrides)'}"
-                  f" -> {self._run_dir(num)}")
-        for line in arithmetic(self.params, len(nums), [len(p) for p in parts],
-                               self.max_num_failures):
-            print(line)
-        if limit:
-            print(f"the cluster's MaxArraySize is {limit}: an array holds at most {limit} jobs")
-        found = invalid(self.params, self.max_num_failures)
-        found += problems(self.params, len(nums)) if self._EXECUTOR == "slurm" else []
-        found += conflicts(overrides, {num: self._run_dir(num) for num in nums})
-        for problem in found:
-            print(f"problem: {problem}")
-        print(f"dry run: nothing was submitted; {len(found)} problem(s) found")
-        sys.exit(2 if found else 0)
+        sys.exit(report(executor, self.params, self.max_num_failures, overrides,
+                        {num: self._run_dir(num) for num in nums}, self._EXECUTOR == "slurm"))
 
     def _run_dir(self, num: int) -> Path:
         sweep = self.composed[num].hydra.sweep
@@ -489,30 +465,13 @@ class _AppSubmititLauncher(BaseSubmititLauncher):
         nan.return_value = math.nan  # the public setter (the field is `_return_value`)
         return nan
 
-    def _requeued(self, job: Any, confirm_s: float = 10.0) -> bool:
-        """Whether a job seen in a final state without a result from every task, none of which
-        raised, runs again: the faults it recovers from (a task killed by a signal, a node
-        that failed) requeue it, and the watcher can catch the state it passes on the way."""
+    def _requeued(self, job: Any) -> bool:
+        """Whether a job seen ended runs again (see _recover.requeued)."""
         if self._EXECUTOR != "slurm" or self.max_num_failures <= 0:
             return False
-        from app import slurm
-        from app._private import slurm_watcher
+        from ._recover import requeued
 
-        from ._job_report import outcomes
-
-        state = job.state.split()[0].upper() if job.state else ""
-        results = outcomes(job, grace_s=0)
-        if state not in ("FAILED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY") or any(
-                r is not None and r[0] == "error" for r in results) or None not in results:
-            return False
-        deadline = time.monotonic() + confirm_s
-        while time.monotonic() < deadline:
-            listed = (slurm.jobs() or {}).get(job.job_id)
-            if listed is not None and listed.active:
-                slurm_watcher().forget(job.job_id)
-                return True
-            time.sleep(0.5)
-        return False
+        return requeued(job)
 
     def _record_end(self, num: int, status: str, error: str) -> None:
         """Record in the run directory how Slurm ended the job, for the sweep's summary (which
