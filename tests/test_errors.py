@@ -40,6 +40,8 @@ CHECKS = {
     "missing accelerator, strict": (["accelerator=xpu", "accelerator_strict=true"],
                                     "accelerator=xpu"),
     "horovod": (["distributed.horovod=true"], "Horovod is not supported"),
+    # (The CLI read its overrides resolved: a traceback there, before the check.)
+    "bad interpolation": (["seed=${oops}"], "seed: Interpolation key 'oops' not found"),
 }
 
 
@@ -77,7 +79,8 @@ def test_bad_input_is_a_user_error_in_one_line(case, trained, tmp_path) -> None:
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("case", ["missing checkpoint", "several nodes without an address"])
+@pytest.mark.parametrize("case", ["missing checkpoint", "several nodes without an address",
+                                  "bad interpolation"])
 def test_the_cli_prints_a_user_error_in_one_line_and_exits_2(case, trained, tmp_path) -> None:
     overrides, words = CHECKS[case]
     result = run_app(tmp_path / "run", *_overrides(case, overrides, trained))

@@ -86,3 +86,22 @@ def test_a_resumed_run_continues_its_wandb_run_offline(tmp_path) -> None:
     steps = [row["_step"] for a in attempts for row in a["history"] if "train/loss" in row]
     last = max(int(r["step"]) for r in read_metrics(other))
     assert steps == list(range(1, last + 1))  # every step once, in order, across attempts
+
+
+def test_wandb_online_without_an_account_is_one_clear_error(tmp_path, monkeypatch) -> None:
+    """(CI has no W&B key: the run failed with W&B's login traceback.) The MLflow run opened
+    before it ends as failed, not left running."""
+    pytest.importorskip("wandb")
+    from app.errors import UserError
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # (no ~/.netrc: no key W&B could find)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(UserError, match=r"logger\.wandb: .*(API key|log in).*"
+                                        r"logger\.wandb_mode=offline"):
+        run_job(tmp_path / "run", *TINY, "trainer.max_epochs=1", "logger=wandb",
+                "logger.wandb_mode=online", "logger.mlflow=true", f"logger.mlflow_uri={uri}")
+    _, run = _one_run(uri)
+    assert run.info.status == "FAILED"

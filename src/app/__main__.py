@@ -13,7 +13,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from app.compose_errors import explain_composition_errors
 from app.conf_dir import config_dir
@@ -62,7 +62,9 @@ def main(dict_cfg: DictConfig) -> float | None:
             # RunDirInUse, naming the holder, if another command owns it.
             lock = take(run_dir)
         # Convert at the boundary: below here code sees plain, resolved, typed objects.
-        cfg = to_app_config(apply_run(dict_cfg, list(HydraConfig.get().overrides.task)))
+        # The overrides as typed: read resolved, seed=${oops} would fail here, not below.
+        typed = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+        cfg = to_app_config(apply_run(dict_cfg, typed))
         if spawns_workers(cfg, env):
             prestart(cfg)  # a worker server imports torch while this process does the same
         result = launch(cfg, run_dir, env)

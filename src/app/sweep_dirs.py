@@ -52,7 +52,8 @@ def basic_sweep_jobs(config: DictConfig) -> dict[int, list[str]] | None:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    parsed = OverridesParser.create().parse_overrides(
+        OmegaConf.to_container(config.hydra.overrides.task, resolve=False))  # (as typed)
     jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
     return dict(enumerate(jobs))
 

@@ -152,11 +152,15 @@ class WandbLogger:
         run_id = trackers.get("wandb") or (id_file.read_text().strip() if id_file.is_file()
                                            else None)
         self.new = run_id is None
-        self.run = wandb.init(
-            project=config.wandb_project, dir=str(run_dir), id=run_id,
-            resume="allow", mode=config.wandb_mode, name=f"{run_dir.parent.name}/{run_dir.name}",
-            # The console stays ours (the progress bar, the log lines): W&B reads no output.
-            settings=wandb.Settings(console="off", silent=True))
+        try:
+            self.run = wandb.init(
+                project=config.wandb_project, dir=str(run_dir), id=run_id, resume="allow",
+                mode=config.wandb_mode, name=f"{run_dir.parent.name}/{run_dir.name}",
+                # The console stays ours (the progress bar, the log lines): W&B reads no output.
+                settings=wandb.Settings(console="off", silent=True))
+        except wandb.errors.Error as e:  # no API key, no network: W&B's words, and the way out
+            raise UserError(f"logger.wandb: {str(e).splitlines()[0]} (logger.wandb_mode="
+                            f"offline logs without an account; wandb sync uploads later)") from e
         trackers["wandb"] = self.run.id
         id_file.write_text(self.run.id + "\n")
 
@@ -187,7 +191,12 @@ class MetricLogger:
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resume_step)
         trackers = {} if trackers is None else trackers
         self.mlflow = MLflowLogger(run_dir, config, trackers) if config.mlflow else None
-        self.wandb = WandbLogger(run_dir, config, trackers) if config.wandb else None
+        try:
+            self.wandb = WandbLogger(run_dir, config, trackers) if config.wandb else None
+        except BaseException as e:
+            self.wandb = None
+            self.close(e)  # the sinks opened already end with the error
+            raise
 
     def log(self, step: int, epoch: int, split: str, metrics: dict[str, float]) -> None:
         self.csv.log(step, epoch, split, metrics)
