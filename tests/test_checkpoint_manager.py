@@ -19,7 +19,7 @@ from app.training.step import TrainStep
 from conftest import make_config
 
 LAYOUT = ["format", "model", "optimizer", "scheduler", "train_step", "loop", "callbacks", "data",
-          "best", "is_best", "metrics", "rng", "config", "trackers"]
+          "best", "is_best", "metrics", "rng", "config", "trackers", "param_names"]
 
 
 class _Data(DataModule):

@@ -74,6 +74,8 @@ Accelerator = _choice("Accelerator", "auto", "cuda", "cpu", "mps", "npu", "xpu",
 StartMethod = _choice("StartMethod", "spawn", "forkserver", "fork")
 # torch.distributed's backends; auto picks the device type's own (app.launch.plan.BACKENDS).
 Backend = _choice("Backend", "auto", "nccl", "gloo", "mpi", "ucc", "hccl", "xccl")
+# How the model is laid over the ranks (app.training.sharding).
+Strategy = _choice("Strategy", "ddp", "fsdp")
 # What the loop validates and logs (val/loss, val/acc): the metrics a run can monitor.
 Monitor = _choice("Monitor", "val/acc", "val/loss")
 
@@ -101,6 +103,7 @@ class TrainerConfig:
     ema_warmup_steps: int = 2000
     decay_norm_and_bias: bool = False
     lr_scale_batch: int | None = None
+    activation_checkpointing: list[str] = field(default_factory=list)  # module classes
 
 
 @dataclass
@@ -119,7 +122,17 @@ class ExportConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """Read with `distributed.strategy=fsdp` only."""
+
+    wrap: list[str] = field(default_factory=list)  # module classes sharded as units
+    reshard_after_forward: bool = True  # free a unit's gathered parameters after its forward
+
+
+@dataclass
 class DistributedConfig:
+    strategy: Strategy = Strategy("ddp")
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     backend: Backend = Backend("auto")
     timeout_s: float = 1800.0
     stall_timeout_s: float | None = 600.0

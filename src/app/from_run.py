@@ -60,15 +60,21 @@ def saved_config(run: str) -> tuple[Path, DictConfig]:
                         f"{str(e).splitlines()[0]}") from None
 
 
+def is_checkpoint(path: Path) -> bool:
+    """A checkpoint file or a sharded checkpoint's directory (app.checkpoint.io's test,
+    repeated here: this module is read before torch is imported)."""
+    return path.is_file() or (path / ".metadata").is_file()
+
+
 def _checkpoint(path: Path, ckpt: str | None, run: str) -> str:
     folder = path / "checkpoints"
     if ckpt in CHECKPOINTS:
         chosen = folder / CHECKPOINTS[ckpt]
-        if not chosen.is_file():
+        if not is_checkpoint(chosen):
             raise UserError(f"run={run} ckpt={ckpt}: the run has no checkpoints/{chosen.name}")
         return str(chosen)
     for name in ("best.pt", "last.pt"):
-        if (folder / name).is_file():
+        if is_checkpoint(folder / name):
             return str(folder / name)
     raise UserError(f"run={run}: the run has no checkpoint (checkpoints/best.pt or last.pt)")
 

@@ -49,29 +49,59 @@ def save(state: dict[str, Any], path: Path) -> None:
 
 
 def link(source: Path, name: Path) -> None:
-    """Give the file `source` a second name, replacing whatever had that name, atomically."""
+    """Give the checkpoint `source` a second name, replacing whatever had that name,
+    atomically: a hard link to a file, a symbolic link (relative: the run directory may move)
+    to a sharded checkpoint's directory."""
     tmp = name.with_name(f".{name.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
-    try:
-        os.link(source, tmp)
-    except OSError:  # no hard links here (some network file systems): copy instead
-        shutil.copyfile(source, tmp)
+    if source.is_dir():
+        os.symlink(os.path.relpath(source.resolve(), name.parent.resolve()), tmp)
+    else:
+        try:
+            os.link(source, tmp)
+        except OSError:  # no hard links here (some network file systems): copy instead
+            shutil.copyfile(source, tmp)
     os.replace(tmp, name)
     sync_dir(name.parent)
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A checkpoint file, or a sharded checkpoint's directory (one with DCP's index)."""
+    return path.is_file() or (path / ".metadata").is_file()
 
 
 def periodic_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def prune(directory: Path, keep: int) -> None:
-    """Delete all but the newest `keep` periodic checkpoints (last.pt and best.pt stay), and
-    temporary files that a crash left behind."""
+    """Delete all but the newest `keep` periodic checkpoints (last.pt and best.pt stay: a
+    file's other names keep it; a directory they link to is kept), and what a crash left
+    behind under a temporary name."""
+    named = {(directory / n).resolve() for n in ("last.pt", "best.pt")
+             if (directory / n).is_symlink()}
     periodic = sorted(directory.glob("step-*.pt"))
     for old in periodic[: max(0, len(periodic) - keep)]:
-        old.unlink()
+        if old.resolve() not in named:
+            _remove(old)
+    # Files only: another rank may have begun the next sharded checkpoint's directory.
     for stale in directory.glob(".*.tmp"):
-        stale.unlink(missing_ok=True)
+        if not stale.is_dir() or stale.is_symlink():
+            stale.unlink(missing_ok=True)
+
+
+def remove_stale(directory: Path) -> None:
+    """Before a run's first save: the checkpoints, files or directories, that a killed write
+    left under a temporary name."""
+    for stale in directory.glob(".*.tmp"):
+        _remove(stale)
 
 
 def read(path: str | Path) -> Any:
@@ -106,7 +136,7 @@ def check_layout(directory: Path) -> None:
                         f"checkpoints there; move it away")
     names = [directory / "last.pt", directory / "best.pt", *directory.glob("step-*.pt")]
     for path in names:
-        if path.exists() and not path.is_file():
+        if path.exists() and not is_checkpoint(path):
             raise UserError(f"{path} is a {'directory' if path.is_dir() else 'special file'}, "
                             f"not a checkpoint: the run writes its checkpoints under that "
                             f"name; move it away")

@@ -17,6 +17,14 @@ One file holds a plain dict:
     metrics       the validation metrics of this step ({} when it did not validate)
     rng           every rank's random states, by rank
     config        the resolved config of the run
+    trackers      the trackers' run ids (MLflow, W&B), continued by a resume
+    param_names   the parameters' names in the optimizer's order (its state is numbered)
+
+Under `distributed.strategy=fsdp` a checkpoint is a directory of the same name, written by
+every rank (app.checkpoint.sharded): the same entries, the tensors of model, optimizer (keyed
+by parameter name) and EMA in shards. Every reader takes either kind, whatever the run's
+strategy: a sharded model resumes a sharded checkpoint shard by shard (`_load_shards`, on any
+number of ranks), everything else reads it whole (`sharded.read_full`).
 """
 
 from __future__ import annotations
@@ -27,10 +35,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+import torch.distributed as tdist
 from omegaconf import OmegaConf
 
 from app import dist
-from app.checkpoint import io
+from app.checkpoint import io, sharded
 from app.checkpoint.rng import rng_state, set_rng_state
 from app.checkpoint.writer import CheckpointWriter
 from app.errors import UserError
@@ -61,11 +70,23 @@ class TrainedAt(NamedTuple):
 
 # ---- reading and checking a file -------------------------------------------------------------
 
-def load(path: str | Path, resume: bool = False) -> dict[str, Any]:
-    """Read a checkpoint and check its structure (`check`): a user-facing error if it is not
-    one, or (with `resume`) not one a run can resume from."""
-    state = io.read(path)
-    check(state, Path(path), resume)
+def load(path: str | Path, resume: bool = False, tensors: bool = True) -> dict[str, Any]:
+    """Read a checkpoint, a file or a sharded directory, and check its structure (`check`): a
+    user-facing error if it is not one, or (with `resume`) not one a run can resume from.
+    `tensors=False`: a sharded checkpoint's tensors are left on disk (its model, optimizer
+    and EMA entries are empty here; a sharded model reads its own shards, `_load_shards`)."""
+    path = Path(path)
+    if not sharded.is_sharded(path):
+        state = io.read(path)
+    elif tensors:
+        state = sharded.read_full(path)
+    else:
+        state = sharded.read_meta(path)
+        state["model"], state["optimizer"] = {}, {}
+        ema = (state.get("train_step") or {}).get("ema")
+        if isinstance(ema, dict):
+            state["train_step"]["ema"] = {**ema, "module": {}}
+    check(state, path, resume)
     return state
 
 
@@ -182,7 +203,7 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
     ]
     if not strict:
         fitting = {k: v for k, v in theirs.items() if k in ours and _shape(v) == _shape(ours[k])}
-        model.load_state_dict(fitting, strict=False)
+        sharded.load_full_weights(model, fitting, strict=False)
         skipped = missing + unexpected + wrong_shape
         log.info("loaded %d of %d weights from %s%s", len(fitting), len(ours), path,
                  f"; skipped: {', '.join(skipped)}" if skipped else "")
@@ -205,11 +226,12 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
             f"checkpoint {path} does not match the model ({'; '.join(parts)}). "
             f"It was trained with {trained}; {advice}"
         )
-    model.load_state_dict(theirs)
+    sharded.load_full_weights(model, theirs)
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any],
-                         path: str | Path, current: dict[str, Any]) -> None:
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         state: dict[str, Any], path: str | Path, current: dict[str, Any]
+                         ) -> None:
     """Resume the optimizer; a checkpoint of another optimizer is an error naming both."""
     trained = (state.get("config") or {}).get("optimizer") or {}
     if trained.get("_target_", current.get("_target_")) != current.get("_target_"):
@@ -218,7 +240,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
             f"has {current.get('_target_')}: resume with the same optimizer, or start a new "
             f"schedule from its weights with ckpt={path} resume=null")
     try:
-        optimizer.load_state_dict(state["optimizer"])
+        sharded.load_full_optimizer(model, optimizer, state["optimizer"])
     except (ValueError, KeyError, RuntimeError) as e:
         raise UserError(
             f"checkpoint {path}: its optimizer state does not fit this run's optimizer ({e}). "
@@ -227,16 +249,17 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
             f"ckpt={path} resume=null") from e
 
 
-def latest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+def latest_valid(directory: Path, tensors: bool = True
+                 ) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint of a run directory that loads: last.pt, else the periodic ones,
     newest first; each that does not load is named in a warning. None when there is no
     checkpoint at all; an error when there are some and none loads (a run is never silently
-    started afresh over checkpoints that exist)."""
+    started afresh over checkpoints that exist). `tensors`: as for `load`."""
     candidates = [directory / "last.pt", *sorted(directory.glob("step-*.pt"), reverse=True)]
     bad = []
-    for path in (c for c in candidates if c.is_file()):
+    for path in (c for c in candidates if io.is_checkpoint(c)):
         try:
-            return path, load(path, resume=True)
+            return path, load(path, resume=True, tensors=tensors)
         except UserError as e:
             reason = str(e).removeprefix(f"checkpoint {path}: ")
             log.warning("resume: skipping %s: %s", path, reason)
@@ -256,7 +279,7 @@ def repair_names(directory: Path, path: Path, state: dict[str, Any]) -> None:
         return  # resume=PATH of another run: its names are not ours to change
     wanted = [directory / "last.pt"] + ([directory / "best.pt"] if state.get("is_best") else [])
     for name in wanted:
-        if not (name.is_file() and os.path.samefile(name, path)):
+        if not (name.exists() and os.path.samefile(name, path)):
             io.link(path, name)
             log.warning("resume: %s now names the checkpoint of step %s (a crash had kept "
                         "it from that name)", name.name, (state.get("loop") or {}).get("step"))
@@ -286,10 +309,22 @@ class CheckpointManager:
         self.directory, self.cfg = directory, cfg
         self.train_step, self.loop, self.callbacks = train_step, loop, callbacks
         self.data = data
-        self.writer = CheckpointWriter(background=cfg.trainer.async_checkpoint)
+        # Sharded checkpoints under fsdp (even on one rank: any number of ranks resumes them).
+        self.sharded = cfg.distributed.strategy == "fsdp"
+        self.sharded_model = sharded.model_is_sharded(train_step.model)
+        self.writer: CheckpointWriter | sharded.ShardedWriter
+        if self.sharded:
+            # DCP's collectives on a group of their own: a background save's must not
+            # interleave with the training's on the default group.
+            group = tdist.new_group(backend="gloo") if dist.world_size() > 1 else None
+            self.writer = sharded.ShardedWriter(cfg.trainer.async_checkpoint, dist.is_main(),
+                                                group)
+        else:
+            self.writer = CheckpointWriter(background=cfg.trainer.async_checkpoint)
         # The writer copies weights, optimizer state and EMA while the next forward and
         # backward run; the update that changes them waits for that copy.
         train_step.before_update = self.writer.hold_until_copied
+        self.param_names = sharded.param_names(train_step.model, train_step.optimizer)
         self.resumed_from: Path | None = None
         # The trackers' run ids (MLflow ...): saved with each checkpoint, so that a resumed
         # run, in any directory, continues the same tracker runs.
@@ -301,10 +336,13 @@ class CheckpointManager:
         (`ckpt=`), or nothing (a fresh start)."""
         cfg = self.cfg
         io.check_layout(self.directory)  # before training, not at its first save
+        if dist.is_main():
+            io.remove_stale(self.directory)  # before any save: a killed run's partial ones
+        tensors = not self.sharded_model  # (a sharded model reads its shards, `_load_shards`)
         if cfg.resume == "auto":
-            path, state = latest_valid(self.directory) or (None, None)
+            path, state = latest_valid(self.directory, tensors) or (None, None)
         elif cfg.resume is not None:
-            path, state = Path(cfg.resume), load(cfg.resume, resume=True)
+            path, state = Path(cfg.resume), load(cfg.resume, resume=True, tensors=tensors)
         else:
             path, state = None, None
         if path is not None:
@@ -327,8 +365,13 @@ class CheckpointManager:
 
     def _resume(self, path: Path, state: dict[str, Any]) -> None:
         step = self.train_step
-        load_model_weights(step.model, state, path)
-        load_optimizer_state(step.optimizer, state, path, self.cfg.optimizer)
+        if self.sharded_model and sharded.is_sharded(path):
+            self._load_shards(path, state)
+        else:
+            if self.sharded_model:  # (read with tensors=False: a file is read whole)
+                state = load(path, resume=True)
+            load_model_weights(step.model, state, path)
+            load_optimizer_state(step.model, step.optimizer, state, path, self.cfg.optimizer)
         step.scheduler.load_state_dict(state["scheduler"])
         step.load_state_dict(state.get("train_step", {}))
         self.loop.load_state_dict({**state["loop"], "best": state["best"]})
@@ -349,6 +392,41 @@ class CheckpointManager:
             repair_names(self.directory, path, state)
         self.resumed_from = path
 
+    def _load_shards(self, path: Path, state: dict[str, Any]) -> None:
+        """Each rank reads its own part of a sharded checkpoint's tensors (DCP reshards one
+        written by another number of ranks); the EMA's, when both keep one."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        step = self.train_step
+        self._check_optimizer(state, path)
+        tensors = {"model": step.model.state_dict(),
+                   "optimizer": get_optimizer_state_dict(step.model, step.optimizer)}
+        if step.ema is not None and (state.get("train_step") or {}).get("ema"):
+            tensors["ema"] = step.ema.module.state_dict()
+        try:
+            dcp.load(tensors, checkpoint_id=path)
+        except Exception as e:  # (DCP wraps each rank's error: its first line names it)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"checkpoint {path} does not fit this run's model and optimizer "
+                            f"({first}); resume with the settings it was trained with") from e
+        step.model.load_state_dict(tensors["model"])
+        set_optimizer_state_dict(step.model, step.optimizer, tensors["optimizer"])
+        if "ema" in tensors:  # (its entry in `state` has an empty module: the count is read)
+            step.ema.module.load_state_dict(tensors["ema"])
+
+    def _check_optimizer(self, state: dict[str, Any], path: Path) -> None:
+        trained = ((state.get("config") or {}).get("optimizer") or {}).get("_target_")
+        current = self.cfg.optimizer.get("_target_")
+        if trained not in (None, current):
+            raise UserError(
+                f"checkpoint {path} was trained with optimizer {trained}, this run has "
+                f"{current}: resume with the same optimizer, or start a new schedule from its "
+                f"weights with ckpt={path} resume=null")
+
     def _fine_tune(self, path: str) -> None:
         step = self.train_step
         load_model_weights(step.model, load(path), path, strict=self.cfg.ckpt_strict,
@@ -361,7 +439,7 @@ class CheckpointManager:
         """Every rank calls it (the random states are gathered); rank 0 writes. The `last`
         save of a run is waited for."""
         rng = dist.all_gather_object(rng_state())  # every rank's, for an exact resume
-        if dist.is_main():
+        if self.sharded or dist.is_main():  # (every rank writes its shards)
             self._write(rng, val_metrics, is_best)
         if last:
             self.writer.wait()
@@ -371,10 +449,16 @@ class CheckpointManager:
 
     def _write(self, rng: list, val_metrics: dict[str, float] | None, is_best: bool) -> None:
         step, loop = self.train_step, self.loop.state_dict()
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            optimizer = get_optimizer_state_dict(step.model, step.optimizer)  # (by name)
+        else:
+            optimizer = step.optimizer.state_dict()
         state = {
             "format": FORMAT_VERSION,
             "model": step.model.state_dict(),
-            "optimizer": step.optimizer.state_dict(),
+            "optimizer": optimizer,
             "scheduler": step.scheduler.state_dict(),
             "train_step": step.state_dict(),
             "loop": {k: loop[k] for k in (*LOOP_COUNTERS, "stopped_early")},
@@ -386,6 +470,7 @@ class CheckpointManager:
             "rng": rng,
             "config": self._config,
             "trackers": dict(self.trackers),
+            "param_names": self.param_names,
         }
         path = self.directory / io.periodic_name(self.loop.step)
 
@@ -398,8 +483,13 @@ class CheckpointManager:
                 io.link(path, self.directory / "best.pt")
             io.prune(self.directory, self.cfg.trainer.keep_last)
 
-        blocked = self.writer.save(state, path, then=name_and_prune,
-                                   changed_only_by_step=_changed_only_by_step(step))
+        if self.sharded:
+            tensors, meta = sharded.split(state)
+            blocked = self.writer.save(tensors, meta if dist.is_main() else None, path,
+                                       then=name_and_prune)
+        else:
+            blocked = self.writer.save(state, path, then=name_and_prune,
+                                       changed_only_by_step=_changed_only_by_step(step))
         log.debug("checkpoint %s: the loop waited %.3f s", path.name, blocked)
 
     def log_totals(self) -> None:

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from app.checkpoint.sharded import load_full_weights
+
 
 class ModelEMA:
     """EMA weights with a warm-up ramp: the decay grows from 0 towards `decay`, so that the
@@ -34,5 +36,8 @@ class ModelEMA:
         return {"module": self.module.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["module"])
+        """`state["module"]` empty: the weights were loaded already (a sharded checkpoint's,
+        shard by shard), the count only is taken."""
+        if state["module"]:
+            load_full_weights(self.module, state["module"])
         self.updates = state["updates"]

@@ -35,6 +35,7 @@ from app.training.build import (
 )
 from app.training.ema import ModelEMA
 from app.training.runtime import seed_everything
+from app.training.sharding import checkpoint_activations, shard
 from app.training.state import (
     LoopState,
     finished,
@@ -59,9 +60,11 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     data = build_data(cfg)
     model = _model_on(device, cfg, data)
     global_batch = data.batch_size * world_size * accumulate
-    optimizer = build_optimizer(cfg, model, global_batch=global_batch)
     ema = ModelEMA(model, t.ema_decay, t.ema_warmup_steps) if t.ema else None
-    train_model = _wrapped_for_training(model, cfg, device)
+    checkpoint_activations(model, t.activation_checkpointing)  # (not the EMA's: no backward)
+    train_model = _wrapped_for_training(model, ema, cfg, device)
+    # After the wrapping: FSDP replaces the parameters with their shards.
+    optimizer = build_optimizer(cfg, model, global_batch=global_batch)
     torch.manual_seed(cfg.seed + dist.rank())  # dropout differs between ranks, repeatably
     train_loader, sampler = build_train_loader(data, cfg.seed)
     val_loader = build_val_loader(data)
@@ -161,14 +164,21 @@ def _model_on(device: torch.device, cfg: AppConfig, data: DataModule) -> nn.Modu
     return model.to(device)
 
 
-def _wrapped_for_training(model: nn.Module, cfg: AppConfig, device: torch.device) -> nn.Module:
-    """What the train step runs: the DDP wrapper (which also broadcasts rank 0's weights) with
-    several ranks, compiled when asked; only training uses it."""
+def _wrapped_for_training(model: nn.Module, ema: ModelEMA | None, cfg: AppConfig,
+                          device: torch.device) -> nn.Module:
+    """What the train step runs, compiled when asked; with several ranks, the DDP wrapper
+    (which also broadcasts rank 0's weights), or under fsdp the model itself, sharded in
+    place, and the EMA's copy alike (app.training.sharding)."""
     d = cfg.distributed
-    train_model: nn.Module = model if dist.world_size() == 1 else DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None,
-        find_unused_parameters=d.find_unused_parameters, static_graph=d.static_graph,
-        bucket_cap_mb=d.bucket_cap_mb, **dist.ddp_buffer_sync(d.broadcast_buffers))
+    train_model: nn.Module = model
+    if dist.world_size() > 1 and d.strategy == "fsdp":
+        for module in (model, *([ema.module] if ema is not None else [])):
+            shard(module, device, d.fsdp.wrap, cfg.precision, d.fsdp.reshard_after_forward)
+    elif dist.world_size() > 1:
+        train_model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=d.find_unused_parameters, static_graph=d.static_graph,
+            bucket_cap_mb=d.bucket_cap_mb, **dist.ddp_buffer_sync(d.broadcast_buffers))
     return torch.compile(train_model) if cfg.compile else train_model
 
 

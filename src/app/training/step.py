@@ -4,7 +4,7 @@ clipping, the optimizer, scheduler and EMA updates. Everything with state is che
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,16 @@ def check_precision(precision: str, device: torch.device) -> None:
     if precision == "16-mixed" and device.type == "cpu":
         raise UserError("precision=16-mixed needs an accelerator (float16 autocast and loss "
                         "scaling are for GPUs); on the CPU use precision=bf16-mixed")
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(model: Any) -> Iterator[None]:
+    """FSDP2's `no_sync`: the micro-batch's gradients accumulate unreduced."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _finite_everywhere(loss: torch.Tensor) -> bool:
@@ -57,9 +67,12 @@ class TrainStep:
         self.input_dtype = torch.bfloat16 if precision == "bf16-true" else None
         # Loss scaling keeps small float16 gradients from flushing to zero.
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
-        # Looked up once: the step runs thousands of times.
-        self.autocast = autocast_for(precision, device)
-        self.no_sync = getattr(train_model, "no_sync", None)
+        # Looked up once: the step runs thousands of times. A model sharded by FSDP2 casts by
+        # its own mixed-precision policy (app.training.sharding), not by autocast.
+        sharded = hasattr(model, "set_requires_gradient_sync")
+        self.autocast = contextlib.nullcontext() if sharded else autocast_for(precision, device)
+        self.no_sync = (lambda: _gradient_sync_off(model)) if sharded else \
+            getattr(train_model, "no_sync", None)
 
     def __call__(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
                  ) -> torch.Tensor:

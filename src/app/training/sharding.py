@@ -1,0 +1,112 @@
+"""How the model is laid over the ranks (`distributed.strategy`) and what its backward keeps
+(`trainer.activation_checkpointing`).
+
+`ddp`: every rank holds the whole model, its gradients and the optimizer's state; gradients
+are all-reduced. `fsdp`: PyTorch's FSDP2 (`fully_shard`) over a one-dimensional device mesh of
+all ranks: each rank holds 1/N of the parameters, gradients and optimizer state; a sharded
+unit's parameters are all-gathered for its forward and backward and freed after, and its
+gradients reduce-scattered. The units are the modules of the classes `distributed.fsdp.wrap`
+names (each top-level child with parameters when it names none), then the whole model.
+Mixed precision under `fsdp` is FSDP2's policy (parameters all-gathered in the low precision,
+gradients reduced in float32), not autocast.
+
+Both work on the module in place: its names (state-dict keys) stay those of the plain model,
+so checkpoints, EMA and validation see one model whatever the strategy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from app import dist
+from app.errors import UserError
+
+log = logging.getLogger(__name__)
+
+LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def module_classes(model: nn.Module, names: Iterable[str], key: str) -> tuple[type, ...]:
+    """The classes of `model`'s modules named by `names` (a class name such as `Linear`, or
+    its dotted path); a name no module of the model has is an error listing those it has."""
+    present = {type(m) for m in model.modules()}
+    by_name = {c.__name__: c for c in present} | {f"{c.__module__}.{c.__qualname__}": c
+                                                  for c in present}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        have = ", ".join(sorted({c.__name__ for c in present}))
+        raise UserError(f"{key}: the model has no module of class {', '.join(unknown)} (its "
+                        f"classes: {have})")
+    return tuple(by_name[n] for n in names)
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def checkpoint_activations(model: nn.Module, class_names: list[str]) -> int:
+    """Recompute the activations of the modules of these classes in the backward instead of
+    keeping them (memory for compute). PyTorch's composable `checkpoint`: the module's names
+    stay, and the random state of the forward is restored for the recompute, so dropout
+    draws the same masks and a resume stays exact. Returns how many modules it applies to."""
+    if not class_names:
+        return 0
+    from torch.distributed._composable import checkpoint
+
+    classes = module_classes(model, class_names, "trainer.activation_checkpointing")
+    chosen = [m for m in model.modules() if isinstance(m, classes)]
+    for module in chosen:
+        checkpoint(module)
+    log.info("activation checkpointing: %d module(s) of %s", len(chosen), ", ".join(class_names))
+    return len(chosen)
+
+
+def mixed_precision_policy(precision: str):  # -> MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = LOW_PRECISION.get(precision)
+    if low is None:
+        return MixedPrecisionPolicy()
+    # float32 gradients in the reduction (a sum of low-precision values loses bits) and
+    # float32 outputs, so the loss is computed as without FSDP.
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32)
+
+
+def units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    """The modules sharded as units, innermost first (FSDP2 needs an inner unit sharded
+    before the unit around it), the model itself not among them."""
+    if class_names:
+        classes = module_classes(model, class_names, "distributed.fsdp.wrap")
+        chosen = [m for m in model.modules() if isinstance(m, classes) and m is not model]
+    else:
+        chosen = [m for m in model.children() if _has_parameters(m)]
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    # Reversed module order puts every module after all the modules inside it.
+    return sorted(chosen, key=lambda m: -order[id(m)])
+
+
+def shard(model: nn.Module, device: torch.device, wrap: list[str], precision: str,
+          reshard_after_forward: bool) -> nn.Module:
+    """FSDP2 over all ranks, in place (the same module, its parameters now DTensor shards).
+    Every rank must hold the same initial weights (the same seed): each keeps its part."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.world_size(),))
+    policy = mixed_precision_policy(precision)
+    inner = units(model, wrap)
+    for module in inner:
+        fully_shard(module, mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward)
+    # The root's parameters are gathered for the forward and kept for the backward (FSDP2's
+    # default for the root: its backward comes right after).
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    log.info("fsdp: %d unit(s) and the model sharded over %d ranks%s", len(inner),
+             dist.world_size(), f", parameters in {precision}" if precision in LOW_PRECISION
+             else "")
+    return model
