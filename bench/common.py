@@ -25,6 +25,7 @@ class Run:
     peak_rss_mb: float  # peak resident memory of the started process itself (VmHWM)
     wall_s: float
     times: list[float]  # wall time at the end of each optimizer step of rank 0
+    rank_peak_mb: dict[int, float]  # each rank's peak resident memory at its last step
 
 
 def run_probed(cmd: list[str], steps: int, cwd: Path, env: dict[str, str] | None = None) -> Run:
@@ -55,7 +56,9 @@ def run_probed(cmd: list[str], steps: int, cwd: Path, env: dict[str, str] | None
     # The started process's own peak (not wait4's, which counts this process's memory too:
     # Linux carries the peak across fork and exec).
     own = next((p["peak_mb"] for p in peak if p["pid"] == proc.pid), float("nan"))
-    return Run(times[0] - start, step_s, own, wall, times)
+    ranks = {r["rank"]: max(x.get("peak_mb") or 0.0 for x in records if x["rank"] == r["rank"])
+             for r in records}
+    return Run(times[0] - start, step_s, own, wall, times, ranks)
 
 
 def time_to_exit(cmd: list[str], cwd: Path) -> float:

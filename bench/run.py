@@ -18,6 +18,7 @@ from pathlib import Path
 
 import blas_mode
 import ckpt_stall
+import fsdp
 import image_loader
 import step_overhead
 from common import BENCH, Stat, app_cmd, machine, paired_ratio, ratio_range, run_probed
@@ -258,6 +259,10 @@ def loader_section(tmp: Path, repeats: int) -> str:
     return image_loader.section(repeats)
 
 
+def fsdp_section(tmp: Path, repeats: int) -> str:
+    return fsdp.section(tmp, repeats, REPO)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -269,7 +274,8 @@ def main() -> None:
         tmp = Path(tmp)
         for name, fn in (("steps", steps_section), ("startup", startup), ("memory", memory),
                          ("ddp", ddp_and_spawn), ("checkpoint", checkpoint_stall),
-                         ("blas", blas_section), ("loader", loader_section)):
+                         ("blas", blas_section), ("loader", loader_section),
+                         ("fsdp", fsdp_section)):
             sections[name] = fn(tmp, args.repeats)
             print(sections[name], flush=True)
     took = time.time() - started
@@ -340,6 +346,12 @@ random resized crop and flip, normalisation), app and plain alternating; with th
 cache on, the app decodes each image once and the plain loader still decodes every time.
 
 {s['loader']}
+
+## 9. FSDP against DDP
+
+bench/fsdp.py: `distributed.strategy=fsdp` against `ddp`, 2 ranks on this machine's CPU.
+
+{s['fsdp']}
 
 ## Reading the misses
 

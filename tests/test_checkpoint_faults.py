@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from app.checkpoint import io, manager
+from app.checkpoint import io, layout
 from app.errors import UserError
 from app.training.build import build_data, build_model
 from conftest import TINY, Job, make_config, run_job
@@ -61,9 +61,9 @@ def test_a_resume_from_a_checkpoint_that_was_not_the_best_leaves_best_pt_alone(t
         torch.save({"model": {}}, ckpts / f"step-{step:08d}.pt")
     io.link(ckpts / "step-00000001.pt", ckpts / "best.pt")
     io.link(ckpts / "step-00000002.pt", ckpts / "last.pt")
-    manager.repair_names(ckpts, ckpts / "last.pt", {"is_best": False})
+    layout.repair_names(ckpts, ckpts / "last.pt", {"is_best": False})
     assert os.path.samefile(ckpts / "best.pt", ckpts / "step-00000001.pt")
-    manager.repair_names(ckpts, ckpts / "step-00000002.pt", {"is_best": True})
+    layout.repair_names(ckpts, ckpts / "step-00000002.pt", {"is_best": True})
     assert os.path.samefile(ckpts / "best.pt", ckpts / "step-00000002.pt")
 
 

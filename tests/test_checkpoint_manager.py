@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from app.callbacks import Callbacks
-from app.checkpoint import manager
-from app.checkpoint.manager import FORMAT_VERSION, CheckpointManager, TrainedAt
+from app.checkpoint import layout, restore
+from app.checkpoint.layout import FORMAT_VERSION, TrainedAt
+from app.checkpoint.manager import CheckpointManager
 from app.data import DataModule
 from app.errors import UserError
 from app.training.ema import ModelEMA
@@ -95,7 +96,7 @@ def test_a_file_missing_a_key_fails_in_one_line_naming_it(tmp_path, key) -> None
     path = tmp_path / "damaged.pt"
     torch.save(state, path)
     with pytest.raises(UserError, match=f"no '{key}' entry") as err:
-        manager.load(path, resume=True)
+        layout.load(path, resume=True)
     assert "\n" not in str(err.value) and str(path) in str(err.value)
 
 
@@ -104,7 +105,7 @@ def test_a_file_without_a_format_version_has_the_current_layout(tmp_path) -> Non
     del state["format"]  # as every checkpoint written before the version was stored
     path = tmp_path / "old.pt"
     torch.save(state, path)
-    manager.load(path, resume=True)
+    layout.load(path, resume=True)
     checkpoints, step, loop = _parts(tmp_path, _config(f"resume={path}"), seed=1)
     checkpoints.restore()
     assert loop.step == 7 and torch.equal(step.model.weight, trained.model.weight)
@@ -116,7 +117,7 @@ def test_a_newer_format_is_refused_naming_it(tmp_path) -> None:
     path = tmp_path / "newer.pt"
     torch.save(state, path)
     with pytest.raises(UserError, match=f"format {FORMAT_VERSION + 1}, which this app cannot"):
-        manager.load(path)
+        layout.load(path)
 
 
 def test_inference_weights_are_the_emas_when_the_run_kept_one(tmp_path) -> None:
@@ -124,7 +125,7 @@ def test_inference_weights_are_the_emas_when_the_run_kept_one(tmp_path) -> None:
     assert not torch.equal(trained.ema.module.weight, trained.model.weight)
     model, data = nn.Linear(3, 2), _Data()
     data.learnt = {}
-    at = manager.load_for_inference(model, data, tmp_path / "checkpoints" / "last.pt")
+    at = restore.load_for_inference(model, data, tmp_path / "checkpoints" / "last.pt")
     assert at == TrainedAt(7, 2)
     assert torch.equal(model.weight, trained.ema.module.weight)
     assert data.learnt == {"mean": [0.5]}  # the data's state comes with the weights
@@ -135,7 +136,7 @@ def test_a_weights_only_file_loads_for_inference_at_step_zero(tmp_path) -> None:
     weights = nn.Linear(3, 2).state_dict()
     torch.save({"model": weights}, path)
     model = nn.Linear(3, 2)
-    assert manager.load_for_inference(model, _Data(), path) == TrainedAt(0, 0)
+    assert restore.load_for_inference(model, _Data(), path) == TrainedAt(0, 0)
     assert torch.equal(model.weight, weights["weight"])
 
 

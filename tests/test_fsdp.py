@@ -71,10 +71,14 @@ def _copy_checkpoint(source: Path, run_dir: Path) -> Path:
 
 @pytest.mark.parametrize("model", ["cnn", "mlp"])
 def test_fsdp_trains_as_ddp_does(model, tmp_path) -> None:
-    """The digits CNN and the MLP, 4 epochs on 2 ranks: the same accuracy each epoch."""
+    """The digits CNN and the MLP, 4 epochs on 2 ranks: the same accuracy each epoch. The
+    MLP with what acts on the sharded state: clipping (a norm over both ranks' shards),
+    accumulation, the EMA (which then validates)."""
     overrides = [*TINY, f"model={model}", "model.dropout=0", "devices=2", "optimizer.lr=0.01"]
     if model == "mlp":
-        overrides = [o for o in overrides if not o.startswith("model.channels")]
+        overrides = [o for o in overrides if not o.startswith("model.channels")] + [
+            "trainer.grad_clip_norm=0.5", "trainer.accumulate_grad_batches=2",
+            "trainer.ema=true", "trainer.ema_warmup_steps=5", "trainer.ema_decay=0.9"]
     ddp = run_job(tmp_path / "ddp", *overrides)
     fsdp = run_job(tmp_path / "fsdp", *overrides, *FSDP)
     assert "sharded over 2 ranks" in _log(fsdp)
@@ -91,10 +95,11 @@ def test_fsdp_trains_as_ddp_does(model, tmp_path) -> None:
 
 def test_fsdp_resumes_bit_identically(tmp_path) -> None:
     """With everything a step has: EMA, accumulation, clipping, bf16 mixed precision (FSDP's
-    policy), dropout (each rank its own)."""
+    policy), dropout (each rank its own), activation checkpointing."""
     overrides = [*STEPS, "model.dropout=0.1", "devices=2", *FSDP, "trainer.ema=true",
                  "trainer.accumulate_grad_batches=2", "trainer.grad_clip_norm=0.5",
-                 "precision=bf16-mixed", "data.batch_size=16"]
+                 "precision=bf16-mixed", "data.batch_size=16",
+                 "trainer.activation_checkpointing=[Sequential]"]
     reference = run_job(tmp_path / "reference", *overrides).run_dir
     source = reference / "checkpoints" / "step-00000005.pt"
     _copy_checkpoint(source, tmp_path / "resumed")
@@ -108,9 +113,10 @@ def test_fsdp_resumes_bit_identically(tmp_path) -> None:
     assert [r for r in read_metrics(resumed.run_dir) if int(r["step"]) > 5] == after
 
 
-def test_a_checkpoint_of_two_ranks_resumes_on_one_and_back_on_two(tmp_path) -> None:
-    """2 -> 1 -> 2 ranks, the global batch kept (one rank takes 64 samples a step): the
-    weights and the model's outputs end as the unsharded DDP run's, up to summation order."""
+def test_a_checkpoint_of_two_ranks_resumes_on_one_on_two_and_on_four(tmp_path) -> None:
+    """2 -> 1 -> 2 ranks and 2 -> 4, the global batch kept (one rank takes 64 samples a step,
+    four 16): the weights and the model's outputs end as the unsharded DDP run's, up to
+    summation order."""
     two = [*STEPS, "devices=2", "data.batch_size=32"]
     one = [*STEPS, "devices=1", "data.batch_size=64"]
     ddp = run_job(tmp_path / "ddp", *two).run_dir
@@ -137,6 +143,13 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_back_on_two(tmp_path) -> N
         return model.eval()(torch.randn(256, 1, 8, 8))
 
     assert (outputs(final["model"]) - outputs(reference["model"])).abs().max() < 1e-4
+    # 2 -> 4: the first run's checkpoint of 2 ranks on 4 (16 samples each), to the end.
+    _copy_checkpoint(first / "checkpoints" / "step-00000005.pt", tmp_path / "on_four")
+    on_four = run_job(tmp_path / "on_four", *STEPS, "devices=4", "data.batch_size=16", *FSDP)
+    assert "at step 5" in _log(on_four)
+    four = _full(on_four.run_dir / "checkpoints" / "last.pt")
+    assert len(list((on_four.run_dir / "checkpoints" / "last.pt").glob("*.distcp"))) == 4
+    assert _gap(four["model"], reference["model"]) < 1e-5
 
 
 def test_single_process_readers_take_a_sharded_checkpoint(tmp_path) -> None:

@@ -51,3 +51,33 @@ def test_sync_batchnorm_on_two_gpus(tmp_path) -> None:
     job = run_job(tmp_path / "run", *CUDA, "devices=2", "model.batch_norm=true",
                   "distributed.sync_batchnorm=true")
     assert job.value is not None and job.value > 0.5
+
+
+def test_sharded_checkpoints_of_gpu_tensors_resume(tmp_path) -> None:
+    """distributed.strategy=fsdp on one GPU: nothing to shard, but its checkpoints are
+    sharded ones, written from CUDA tensors (DCP copies them to host memory in the
+    background) and resumed onto the GPU; activation checkpointing on the GPU too."""
+    from app.checkpoint import sharded
+
+    overrides = [*CUDA, "distributed.strategy=fsdp", "precision=bf16-mixed", "trainer.ema=true",
+                 "model=mlp", "trainer.activation_checkpointing=[Sequential]"]
+    overrides = [o for o in overrides if not o.startswith("model.channels")]
+    run = tmp_path / "run"
+    run_job(run, *overrides, "trainer.max_epochs=2")
+    assert sharded.is_sharded(run / "checkpoints" / "last.pt")
+    job = run_job(run, *overrides, "trainer.max_epochs=3")
+    assert job.value is not None and job.value > 0.5
+    assert "resumed from" in job.output and "at step" in job.output
+
+
+@two_gpus
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_fsdp_on_two_gpus(tmp_path, precision) -> None:
+    """FSDP2 over NCCL with its mixed-precision policy (16-mixed with the loss scaler), a
+    sharded checkpoint and its resume on the same two GPUs."""
+    overrides = [*CUDA, "devices=2", "distributed.strategy=fsdp", f"precision={precision}"]
+    run = tmp_path / "run"
+    run_job(run, *overrides, "trainer.max_epochs=2")
+    job = run_job(run, *overrides, "trainer.max_epochs=4")
+    assert job.value is not None and job.value > 0.5
+    assert "at step" in (run / "logs" / "rank0.log").read_text()

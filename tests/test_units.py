@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from app import dist
-from app.checkpoint import io, manager
+from app.checkpoint import io, layout, restore
 from app.checkpoint.rng import rng_state, set_rng_state
 from app.errors import AppError, UserError
 from app.reporting.loggers import CSVLogger
@@ -33,8 +33,8 @@ def test_save_is_atomic_and_links_share_one_file(tmp_path) -> None:
     second = d / io.periodic_name(2)
     io.save({"model": {"w": torch.zeros(3)}}, second)
     io.link(second, d / "last.pt")
-    assert torch.equal(manager.load(d / "last.pt")["model"]["w"], torch.zeros(3))
-    assert torch.equal(manager.load(first)["model"]["w"], torch.ones(3))
+    assert torch.equal(layout.load(d / "last.pt")["model"]["w"], torch.zeros(3))
+    assert torch.equal(layout.load(first)["model"]["w"], torch.ones(3))
     assert not list(d.glob(".*.tmp"))
 
 
@@ -49,7 +49,7 @@ def test_failed_write_keeps_previous_file(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(torch, "save", broken_save)
     with pytest.raises(AppError, match="could not be written .* already on disk are intact"):
         io.save({"model": {"w": torch.zeros(2)}}, path)
-    assert torch.equal(manager.load(path)["model"]["w"], torch.ones(2))
+    assert torch.equal(layout.load(path)["model"]["w"], torch.ones(2))
     assert not list(tmp_path.glob(".*.tmp"))  # the partial file is gone
 
 
@@ -66,22 +66,22 @@ def test_prune_keeps_newest_and_named_links(tmp_path) -> None:
 
 def test_load_errors_name_the_file(tmp_path) -> None:
     with pytest.raises(UserError, match="not found"):
-        manager.load(tmp_path / "nope.pt")
+        layout.load(tmp_path / "nope.pt")
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"\x00" * 100)
     with pytest.raises(UserError, match="garbage.pt"):
-        manager.load(garbage)
+        layout.load(garbage)
     # Random bytes make the unpickler fail in many ways (IndexError, KeyError, ...): each is
     # a UserError naming the file, never a traceback.
     rng = random.Random(0)
     for _ in range(300):
         garbage.write_bytes(rng.randbytes(rng.choice((8, 64, 2048))))
         with pytest.raises(UserError, match="garbage.pt"):
-            manager.load(garbage)
+            layout.load(garbage)
     other = tmp_path / "other.pt"
     torch.save({"weights": 1}, other)
     with pytest.raises(UserError, match="not an app checkpoint"):
-        manager.load(other)
+        layout.load(other)
 
 
 def test_mismatched_weights_list_the_differences() -> None:
@@ -89,7 +89,7 @@ def test_mismatched_weights_list_the_differences() -> None:
     state = {"model": {"weight": torch.zeros(3, 4), "extra": torch.zeros(1)},
              "config": {"model": {"_target_": "x.Y"}}}
     with pytest.raises(UserError) as err:
-        manager.load_model_weights(model, state, "c.pt")
+        restore.load_model_weights(model, state, "c.pt")
     message = str(err.value)
     assert "missing: bias" in message and "unexpected: extra" in message
     assert "weight (3, 4) vs (2, 4)" in message and "x.Y" in message

@@ -25,10 +25,21 @@ _EXIT = os.environ.get("APP_PROBE_EXIT") == "1"
 _times: list[float] = []
 
 
+def _vm_hwm_mb() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) / 1024
+    except (OSError, StopIteration):
+        return None
+
+
 def _dump() -> None:
     rank = os.environ.get("RANK", "0")
+    # The peak so far goes with the step times: a worker of a multiprocessing pool ends
+    # without running atexit, so this is where a rank's peak is seen.
     with open(os.path.join(_DIR, f"{rank}-{os.getpid()}.json"), "w") as f:
-        json.dump({"rank": int(rank), "pid": os.getpid(), "times": _times}, f)
+        json.dump({"rank": int(rank), "pid": os.getpid(), "times": _times,
+                   "peak_mb": _vm_hwm_mb()}, f)
 
 
 def _after_step(optimizer, args, kwargs) -> None:
@@ -56,13 +67,11 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def _peak() -> None:
-    try:
-        with open("/proc/self/status") as f:
-            kb = int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
-    except (OSError, StopIteration):
+    mb = _vm_hwm_mb()
+    if mb is None:
         return
     with open(os.path.join(_DIR, f"peak-{os.getpid()}.json"), "w") as f:
-        json.dump({"pid": os.getpid(), "peak_mb": kb / 1024}, f)
+        json.dump({"pid": os.getpid(), "peak_mb": mb}, f)
 
 
 if _DIR:

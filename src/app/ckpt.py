@@ -17,11 +17,11 @@ log = logging.getLogger("app.ckpt")
 
 def convert(source: Path, target: Path) -> str:
     """Write `source` in the other layout at `target`; returns what was done, in words."""
-    from app.checkpoint import io, manager, sharded
+    from app.checkpoint import io, layout, sharded
 
     if target.exists() or target.is_symlink():
         raise UserError(f"{target} exists: give a new path (nothing is overwritten)")
-    state = manager.load(source)  # checked; a sharded one read whole
+    state = layout.load(source)  # checked; a sharded one read whole
     if sharded.is_sharded(source):
         io.save(state, target)
         return f"{source} (sharded) -> {target} (one file)"

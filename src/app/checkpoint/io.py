@@ -5,7 +5,7 @@ them (a copy where the file system has no hard links), so a checkpoint is writte
 whatever names it gets. Every name is put in place with `os.replace`, so a crash at any
 moment leaves the previous file under each name intact. `last.pt` is named before `best.pt`,
 and each checkpoint records whether it was the best: a crash between the two names leaves a
-`last.pt` that says so, and a resume names it `best.pt` (`manager.repair_names`).
+`last.pt` that says so, and a resume names it `best.pt` (`layout.repair_names`).
 
 This module knows files, not what a checkpoint holds: its keys, the check of a loaded file's
 structure and every restore are `app.checkpoint.manager`'s.
@@ -106,7 +106,7 @@ def remove_stale(directory: Path) -> None:
 
 def read(path: str | Path) -> Any:
     """Read a checkpoint file with `weights_only=True`: a user-facing error naming the file if
-    it cannot be read. What it holds is checked by `manager.load`, which calls this."""
+    it cannot be read. What it holds is checked by `layout.load`, which calls this."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"checkpoint {path}: a directory, not a checkpoint file (a run keeps "

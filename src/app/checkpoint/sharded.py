@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as tdist
 from torch import nn
 
 from app import progress
@@ -77,16 +76,15 @@ class ShardedWriter:
         self.saves += 1
         self.wait()
         tmp = temporary(path)
-        # One process without a process group (a run on one rank, `app.ckpt convert`).
-        alone = {"no_dist": not tdist.is_initialized()}
-        with warnings.catch_warnings():  # (DCP warns that it assumes what `alone` says)
+        with warnings.catch_warnings():
+            # (One process without a process group, a run on one rank or `app.ckpt convert`:
+            # DCP saves alone, as asked, and warns that it assumes so.)
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             if not self.background:
                 with progress.busy():
-                    dcp.save(tensors, checkpoint_id=tmp, process_group=self.group, **alone)
+                    dcp.save(tensors, checkpoint_id=tmp, process_group=self.group)
             else:
-                future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.group,
-                                        **alone)
+                future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.group)
         if not self.background:
             with progress.busy():
                 self._finish(meta, tmp, path, then)

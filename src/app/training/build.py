@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from app import dist
-from app.checkpoint import manager
+from app.checkpoint.layout import TrainedAt
+from app.checkpoint.restore import load_for_inference
 from app.config import AppConfig, Mode
 from app.data import DataModule
 from app.errors import UserError
@@ -60,12 +61,12 @@ def build_model(cfg: AppConfig, data: DataModule) -> nn.Module:
 
 
 def build_trained_model(cfg: AppConfig, data: DataModule
-                        ) -> tuple[nn.Module, manager.TrainedAt]:
+                        ) -> tuple[nn.Module, TrainedAt]:
     """The model of `cfg` with the weights of `cfg.ckpt` that validation used (EMA's when the
     run kept one), in eval mode, on the CPU; and the step and epoch they were saved at. `data`
     takes what it learnt in that training (an image folder's normalisation)."""
     model = build_model(cfg, data)
-    trained_at = manager.load_for_inference(model, data, cfg.ckpt)
+    trained_at = load_for_inference(model, data, cfg.ckpt)
     return model.eval(), trained_at
 
 

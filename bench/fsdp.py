@@ -1,0 +1,109 @@
+"""`distributed.strategy=fsdp` against `ddp` with 2 ranks on a ~200 MB model, and the stall of
+a sharded checkpoint.
+
+Memory: each rank's peak resident memory (VmHWM, read by the probe at its last step) in a
+run of a 7168 -> 7168 -> 10 MLP (205 MB of float32 weights) with AdamW: DDP keeps weights,
+gradients, DDP's gradient buckets and two AdamW moments whole on each rank; FSDP keeps 1/2
+of weights, gradients and moments, plus the gathered weights of the unit that runs. What the
+model costs is the peak above the same run with a 16-wide hidden layer (the process, torch,
+the data: the same in both), and the target is FSDP's cost about half DDP's.
+
+Step time: the median step of the same runs, FSDP against DDP (paired, alternating).
+
+Checkpoint stall: how long the loop is blocked by a save of the same model's state dict from
+one process: `dcp.save` (synchronous, the baseline) against the app's background sharded
+save (app.checkpoint.sharded.ShardedWriter: DCP's `async_save` copies the tensors to host
+memory, then a thread writes them); the background write's own time is shown too.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from common import Stat, app_cmd, ratio_range, run_probed
+
+STEPS = 12
+WIDTH = 7168
+
+
+def _overrides(hidden: int) -> list[str]:
+    return ["model=mlp", f"model.hidden=[{hidden}]", "model.dropout=0", "data=synthetic",
+            f"data.input_shape=[{WIDTH}]", "data.num_samples=640", "data.batch_size=16",
+            f"trainer.max_steps={STEPS}", "trainer.max_epochs=null",
+            "trainer.val_every_n_epochs=null", "trainer.ckpt_every_n_epochs=null",
+            "trainer.progress_bar=false", "devices=2", "distributed.omp_threads=1"]
+
+
+def _runs(tmp: Path, repeats: int, repo: Path) -> dict[str, list]:
+    runs: dict[str, list] = {"ddp": [], "fsdp": [], "ddp_base": [], "fsdp_base": []}
+    for r in range(repeats):
+        for strategy in ("ddp", "fsdp"):
+            for suffix, hidden in (("", WIDTH), ("_base", 16)):
+                run_dir = tmp / f"{strategy}{suffix}-{r}"
+                runs[strategy + suffix].append(run_probed(app_cmd(
+                    *_overrides(hidden), f"distributed.strategy={strategy}",
+                    f"hydra.run.dir={run_dir}"), STEPS, repo))
+    return runs
+
+
+def _rank_peak(runs: list) -> Stat:
+    return Stat([max(run.rank_peak_mb.values()) for run in runs])
+
+
+def stall(repeats: int, size_mb: int = 200) -> dict[str, list[float]]:
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    from app.checkpoint.sharded import ShardedWriter
+
+    width = int((size_mb * 2**20 / 4) ** 0.5)
+    state = {"model": nn.Sequential(nn.Linear(width, width), nn.Linear(width, 10)).state_dict()}
+    out: dict[str, list[float]] = {"sync": [], "blocked": [], "write": []}
+    writer = ShardedWriter(background=True, is_main=True)
+    with tempfile.TemporaryDirectory(prefix="app-bench-dcp-") as tmp:
+        for i in range(repeats):
+            start = time.perf_counter()
+            dcp.save(state, checkpoint_id=Path(tmp) / f"sync-{i}", no_dist=True)
+            out["sync"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            out["blocked"].append(writer.save(state, {"loop": {"step": i}},
+                                              Path(tmp) / f"async-{i}.pt", then=lambda: None))
+            writer.wait()
+            out["write"].append(time.perf_counter() - start)
+    return out
+
+
+def section(tmp: Path, repeats: int, repo: Path) -> str:
+    runs = _runs(tmp, repeats, repo)
+    ddp, fsdp = _rank_peak(runs["ddp"]), _rank_peak(runs["fsdp"])
+    ddp_base, fsdp_base = _rank_peak(runs["ddp_base"]), _rank_peak(runs["fsdp_base"])
+    ddp_cost, fsdp_cost = ddp.median - ddp_base.median, fsdp.median - fsdp_base.median
+    share = fsdp_cost / ddp_cost
+    steps = {k: Stat([r.step_s for r in runs[k]]) for k in ("ddp", "fsdp")}
+    s = stall(repeats)
+    sync, blocked, write = Stat(s["sync"]), Stat(s["blocked"]), Stat(s["write"])
+    return f"""Memory per rank, 2 ranks, MLP {WIDTH} -> {WIDTH} -> 10 (205 MB of weights), AdamW,
+batch 16 per rank, {STEPS} steps; peak resident memory of the larger rank, MB:
+
+| strategy | peak with the model | peak with a 16-wide layer | the model's cost |
+|---|---|---|---|
+| ddp | {ddp.fmt(digits=0)} | {ddp_base.fmt(digits=0)} | {ddp_cost:.0f} |
+| fsdp | {fsdp.fmt(digits=0)} | {fsdp_base.fmt(digits=0)} | {fsdp_cost:.0f} |
+| fsdp / ddp | | | {share:.2f} (target about 0.5: {'met' if share <= 0.6 else '**missed**'}) |
+
+Step time of the same runs: ddp {steps['ddp'].fmt(1e3)} ms, fsdp {steps['fsdp'].fmt(1e3)} ms;
+fsdp / ddp {ratio_range(steps['fsdp'], steps['ddp'])} (on the CPU, FSDP gathers the weights
+for the forward and again for the backward, and reduce-scatters the gradients, where DDP
+all-reduces them once).
+
+Checkpoint stall, one process, a 200 MB state dict:
+
+| save | loop blocked, s |
+|---|---|
+| `dcp.save` (synchronous) | {sync.fmt()} |
+| app, sharded, background (`async_save`: the copy to host memory) | {blocked.fmt()} |
+| (the background write, start to on disk, for reference) | {write.fmt()} |
+| blocked / synchronous | {statistics.median(s['blocked']) / statistics.median(s['sync']):.2f} |"""
