@@ -28,6 +28,14 @@ class Run:
     rank_peak_mb: dict[int, float]  # each rank's peak resident memory at its last step
 
 
+def _read(path: Path) -> dict | None:
+    """A probe record; None for one a late helper process is still writing."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
 def run_probed(cmd: list[str], steps: int, cwd: Path, env: dict[str, str] | None = None) -> Run:
     """Run `cmd` with the step probe; it must reach `steps` optimizer steps."""
     # (A spawned helper, such as multiprocessing's resource tracker, may write its record
@@ -44,9 +52,9 @@ def run_probed(cmd: list[str], steps: int, cwd: Path, env: dict[str, str] | None
         if proc.returncode != 0:
             log.seek(0)
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{log.read()[-3000:]}")
-        records = [json.loads(p.read_text()) for p in Path(probe_dir).glob("*-*.json")
-                   if not p.name.startswith("peak-")]
-        peak = [json.loads(p.read_text()) for p in Path(probe_dir).glob("peak-*.json")]
+        records = [r for p in Path(probe_dir).glob("*-*.json")
+                   if not p.name.startswith("peak-") and (r := _read(p)) is not None]
+        peak = [r for p in Path(probe_dir).glob("peak-*.json") if (r := _read(p)) is not None]
     rank0 = max((r for r in records if r["rank"] == 0), key=lambda r: len(r["times"]))
     times = rank0["times"]
     if len(times) < steps:

@@ -49,6 +49,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--losses", help="write the loss of every step here (JSON)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (bench/gpu_steps.py)")
     return p
 
 
@@ -67,6 +68,8 @@ def train(args: argparse.Namespace) -> list[float]:
     else:
         model = MLP(data.input_shape, data.num_classes, hidden=args.hidden)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device(args.device)
+    model = model.to(device)
     train = model
     if world > 1:  # started by torchrun: plain DDP, each rank its share of every epoch
         torch.distributed.init_process_group("gloo")
@@ -90,6 +93,7 @@ def train(args: argparse.Namespace) -> list[float]:
         # workers' base seed from the global generator, which dropout uses.
         for x, y in DataLoader(data.train, batch_size=args.batch, sampler=order.tolist(),
                                drop_last=True, generator=torch.Generator()):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = F.cross_entropy(train(x), y)
             loss.backward()
             optimizer.step()

@@ -37,7 +37,8 @@ class Turns:
     """Two loops, each in a thread of its own, one optimizer step each in turn; records each
     loop's step times."""
 
-    def __init__(self, first: str, second: str) -> None:
+    def __init__(self, first: str, second: str, sync=lambda: None) -> None:
+        self.sync = sync  # (on a GPU: wait for the step's kernels before it counts as done)
         self.cv = threading.Condition()
         self.turn, self.names = first, (first, second)
         self.finished: set[str] = set()
@@ -53,6 +54,7 @@ class Turns:
 
     def step_done(self) -> None:
         me = self.local.name
+        self.sync()
         self.times[me].append(time.perf_counter() - self.since[me])
         other = self.names[1] if me == self.names[0] else self.names[0]
         with self.cv:
@@ -103,11 +105,12 @@ def _same_losses(metrics: Path, losses: list[float]) -> bool:
     return bool(logged) and all(losses[s - 1] == loss for s, loss in logged)
 
 
-def _in_turns(first, second) -> tuple[float, float]:
+def _in_turns(first, second, device: str = "cpu") -> tuple[float, float]:
     """Run two loops in turns, each in a thread of its own (so that neither has the main
     thread's place); their median step times."""
     global _turns
-    turns = _turns = Turns("first", "second")
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    turns = _turns = Turns("first", "second", sync)
 
     def run(name: str, loop) -> None:
         turns.begin(name)
@@ -127,27 +130,28 @@ def _in_turns(first, second) -> tuple[float, float]:
             statistics.median(turns.times["second"][WARMUP:]))
 
 
-def compare(app_overrides: list[str], plain_args: list[str], rounds: int, tmp: Path
-            ) -> tuple[list[float], list[float], bool]:
+def compare(app_overrides: list[str], plain_args: list[str], rounds: int, tmp: Path,
+            device: str = "cpu") -> tuple[list[float], list[float], bool]:
     """Per round, the median seconds per step of the app and of the plain loop, run in turns;
     and whether the app's logged losses equal the plain loop's (each run alone)."""
     cfg = _app_config(app_overrides)
-    args = plain_loop.parser().parse_args(plain_args)
+    args = plain_loop.parser().parse_args([*plain_args, "--device", device])
+    on = torch.device(device)
     # Parity first, each loop alone: in turns they draw dropout masks from torch's one global
     # generator alternately, so their losses differ there (their work does not).
     run_dir = tmp / f"alone-{abs(hash(tuple(app_overrides)))}"
     _logging_as_hydra(run_dir)
-    app_train(cfg, run_dir, torch.device("cpu"))
+    app_train(cfg, run_dir, on)
     same = _same_losses(run_dir / "metrics.csv", plain_loop.train(args))
     apps, plains = [], []
     for r in range(rounds):
         run_dir = tmp / f"turns-{abs(hash(tuple(app_overrides)))}-{r}"
         _logging_as_hydra(run_dir)
-        app_loop = lambda d=run_dir: app_train(cfg, d, torch.device("cpu"))  # noqa: E731
+        app_loop = lambda d=run_dir: app_train(cfg, d, on)  # noqa: E731
         if r % 2 == 0:  # who goes first alternates
-            app, plain = _in_turns(app_loop, lambda: plain_loop.train(args))
+            app, plain = _in_turns(app_loop, lambda: plain_loop.train(args), device)
         else:
-            plain, app = _in_turns(lambda: plain_loop.train(args), app_loop)
+            plain, app = _in_turns(lambda: plain_loop.train(args), app_loop, device)
         apps.append(app)
         plains.append(plain)
     logging.getLogger().handlers.clear()
