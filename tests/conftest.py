@@ -213,7 +213,9 @@ def multirun(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, li
          "+hydra.callbacks.record._target_=recorder.Recorder",
          f"+hydra.callbacks.record.path={record}"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(HELPERS)})
+        # (PYTHONPATH kept: where app is not installed, as on the GPU machine, it finds app)
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")]))})
     jobs = [json.loads(line) for line in record.read_text().splitlines()] \
         if record.is_file() else []
     return proc, sorted(jobs, key=lambda j: j["num"])  # parallel jobs end in any order

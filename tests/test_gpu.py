@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.errors import UserError
-from conftest import TINY, run_job
+from conftest import TINY, multirun, run_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: run `make test-gpu` on a GPU machine")]
@@ -81,3 +81,15 @@ def test_fsdp_on_two_gpus(tmp_path, precision) -> None:
     job = run_job(run, *overrides, "trainer.max_epochs=4")
     assert job.value is not None and job.value > 0.5
     assert "at step" in (run / "logs" / "rank0.log").read_text()
+
+
+@two_gpus
+def test_submitit_local_sweep_jobs_each_get_their_own_gpu(tmp_path) -> None:
+    """Two jobs of a local sweep at once, one GPU each (CUDA_VISIBLE_DEVICES slices)."""
+    proc, jobs = multirun(tmp_path, "hydra/launcher=submitit_local", *CUDA,
+                          "trainer.max_epochs=1", "optimizer.lr=0.01,0.003")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "job #0: CUDA_VISIBLE_DEVICES=0" in output, output[-3000:]
+    assert "job #1: CUDA_VISIBLE_DEVICES=1" in output
+    assert len(jobs) == 2
