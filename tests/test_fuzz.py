@@ -34,7 +34,8 @@ VALID = {
     "trainer.ckpt_every_n_steps": ["1", "2"], "detail": ["true"],
     "callbacks": ["default", "none"], "+callbacks/early_stopping": ["default"],
     "+callbacks/eval_visuals": ["default"], "+callbacks/lr_throughput": ["default"],
-    "device_id": ["0"],
+    "device_id": ["0"], "distributed.strategy": ["ddp", "fsdp"],
+    "trainer.activation_checkpointing": ["[Linear]", "[]"],
 }
 
 # Each of these must make a set fail: (override, a word the error must contain).
@@ -45,7 +46,8 @@ WRONG_TYPE = [("trainer.max_steps=abc", "trainer.max_steps"), ("devices=two", "d
               ("trainer.max_steps=3.7", "max_steps"), ("seed=true", "seed"),
               ("distributed.timeout_s=soon", "timeout_s"), ("data.input_shape=abc", "input_shape")]
 UNKNOWN = [("trainer.epochs=3", "epochs"), ("+trainer.epochs=3", "epochs"), ("+foo=1", "foo"),
-           ("model=resnet50", "resnet50"), ("optimizer=lamb", "lamb"), ("logger=wandb", "wandb"),
+           ("model=resnet50", "resnet50"), ("optimizer=lamb", "lamb"),
+           ("logger=neptune", "neptune"),
            ("+nogroup=x", "nogroup"), ("distributed.bakend=gloo", "bakend"),
            ("+logger.nope=1", "nope"), ("scheduler=onecycle", "onecycle"),
            ("model.widht=3", "widht"), ("data.batchsize=3", "batchsize"),
