@@ -182,3 +182,26 @@ def test_a_run_file_is_on_disk_before_its_name_points_to_it(tmp_path, monkeypatc
     write_result(tmp_path, "completed", 1.0)
     assert events == [("fsync", False), ("replace", None), ("fsync", True)]
     assert (tmp_path / "result.json").is_file()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_full_disk_at_a_sharded_checkpoint_is_one_line_and_frees_its_space(
+        tiny_tmpfs, background) -> None:
+    """DCP's error (a CheckpointException, which is not an Exception) becomes the one line a
+    checkpoint file gets; the partial checkpoint directory is removed, so the space is free
+    again and a smaller checkpoint fits."""
+    from app.checkpoint import sharded
+    from app.errors import AppError
+
+    writer = sharded.ShardedWriter(background=background, is_main=True)
+    big = {"model": {"w": torch.zeros(2**20)}}  # 4 MB on a 1 MB file system
+    with pytest.raises(AppError, match=r"step-00000001.pt could not be written \(.*"
+                                       r"(No space|disk full).*the checkpoints already on disk "
+                                       r"are intact"):
+        writer.save(big, {"loop": {"step": 1}}, tiny_tmpfs / "step-00000001.pt", lambda: None)
+        writer.wait()
+    assert list(tiny_tmpfs.iterdir()) == []
+    writer.save({"model": {"w": torch.zeros(16)}}, {"loop": {"step": 2}},
+                tiny_tmpfs / "step-00000002.pt", lambda: None)
+    writer.wait()
+    assert sharded.is_sharded(tiny_tmpfs / "step-00000002.pt")

@@ -280,3 +280,81 @@ def test_activation_checkpointing_changes_no_number(tmp_path) -> None:
                 "trainer.activation_checkpointing=[Linear]").run_dir
     assert _equal(_full(a / "checkpoints" / "last.pt")["model"],
                   _full(b / "checkpoints" / "last.pt")["model"])
+
+
+def test_a_crafted_index_is_refused_before_it_runs_anything(tmp_path) -> None:
+    """DCP reads its index with plain pickle: app reads it first with a reader that builds
+    only an index's classes (a checkpoint file is read with weights_only alike)."""
+    import pickle
+
+    from app.checkpoint import layout
+
+    run = run_job(tmp_path / "run", *STEPS, "trainer.max_steps=5", *FSDP).run_dir
+    evil = tmp_path / "evil.pt"
+    shutil.copytree(run / "checkpoints" / "last.pt", evil)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (evil / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(UserError, match=r"refused: its index \(.metadata\) names "
+                                        r"(posix|os)\.system.*nothing was run"):
+        layout.load(evil)
+    with pytest.raises(UserError, match="refused"):
+        convert(evil, tmp_path / "out.pt")
+    with pytest.raises(UserError, match="refused"):
+        run_job(tmp_path / "eval", *TINY, "trainer=eval", f"ckpt={evil}")
+    assert not marker.exists()
+
+
+def test_damaged_sharded_checkpoints_are_skipped_or_named(tmp_path) -> None:
+    """A shard cut short, a step directory that lost its index: a resume falls back to the
+    checkpoint before, naming why; a checkpoint of another model is one line."""
+    run = tmp_path / "run"
+    overrides = [*STEPS, "devices=2", *FSDP]
+    run_job(run, *overrides, "trainer.max_steps=10")
+    checkpoints = run / "checkpoints"
+    shard = checkpoints / "step-00000010.pt" / "__1_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    text = _log(run_job(run, *overrides, "trainer.max_steps=10"))
+    assert "at step 5" in text
+    assert "skipping" in text and "shorter than the index says (cut short): __1_0.distcp" in text
+    # The resumed run wrote step 10 again, over the damaged one: whole now.
+    sharded.read_full(checkpoints / "step-00000010.pt")
+    (checkpoints / "step-00000010.pt" / ".metadata").unlink()
+    resumed = run_job(run, *overrides, "trainer.max_steps=12")
+    assert "at step 5" in _log(resumed) and "without DCP's index" in _log(resumed)
+    with pytest.raises(WorkerFailed, match="does not fit this run's model and optimizer"):
+        run_job(run, *[o for o in overrides if not o.startswith("model.channels")],
+                "model.channels=[8,32]", "trainer.max_steps=14")
+
+
+def test_fsdp_then_ddp_writes_a_step_over_its_sharded_directory(tmp_path) -> None:
+    """A ddp run resumed from an earlier step of an fsdp run in the same directory writes its
+    step file where a sharded directory of that step is."""
+    run = tmp_path / "run"
+    run_job(run, *STEPS, "devices=2", *FSDP, "trainer.max_steps=10")
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "step-00000010.pt").is_dir()
+    run_job(run, *STEPS, "devices=2", "trainer.max_steps=10",
+            f"resume={checkpoints / 'step-00000005.pt'}")
+    assert (checkpoints / "step-00000010.pt").is_file()
+    assert (checkpoints / "last.pt").is_file() and not (checkpoints / "last.pt").is_symlink()
+    assert not list(checkpoints.glob(".*"))
+
+
+def test_batch_norm_statistics_resume_exactly_under_fsdp(tmp_path) -> None:
+    """Each rank updates its buffers with its own batches: rank 0's are copied to all after
+    each step (distributed.broadcast_buffers), so the checkpoint's copy is every rank's."""
+    overrides = [*STEPS, "model=resnet", "model.channels=[4,8]", "devices=2", *FSDP,
+                 "trainer.max_steps=10", "data.batch_size=16"]
+    reference = run_job(tmp_path / "reference", *overrides).run_dir
+    _copy_checkpoint(reference / "checkpoints" / "step-00000005.pt", tmp_path / "resumed")
+    resumed = run_job(tmp_path / "resumed", *overrides).run_dir
+    after = [r for r in read_metrics(reference) if int(r["step"]) > 5]
+    assert [r for r in read_metrics(resumed) if int(r["step"]) > 5] == after
+    a, b = _full(reference / "checkpoints" / "last.pt"), _full(resumed / "checkpoints" / "last.pt")
+    assert _equal(a["model"], b["model"])

@@ -34,8 +34,7 @@ def save(state: dict[str, Any], path: Path) -> None:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-        sync_dir(path.parent)
+        put(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         # A full or read-only disk, a quota, a file size limit: the user's to fix. (torch.save
@@ -46,6 +45,24 @@ def save(state: dict[str, Any], path: Path) -> None:
             raise AppError(f"checkpoint {path} could not be written ({reason}); the "
                            f"checkpoints already on disk are intact") from e
         raise
+
+
+def put(new: Path, name: Path) -> None:
+    """Rename `new` (a file or a directory) to `name`, replacing what has that name. A rename
+    replaces a file, or a symbolic link, at once; a directory (a sharded checkpoint of the
+    same step), or a file where a directory comes, is first renamed aside and removed once
+    `new` has its place: `name` is never gone with nothing renamed over it but for the
+    moment between the two renames, and never half-deleted."""
+    if name.is_dir() and not name.is_symlink() or (new.is_dir() and name.is_file()
+                                                    and not name.is_symlink()):
+        aside = name.with_name(f".{name.name}.{os.getpid()}.old.tmp")
+        os.replace(name, aside)
+        os.replace(new, name)
+        sync_dir(name.parent)
+        _remove(aside)
+    else:
+        os.replace(new, name)
+        sync_dir(name.parent)
 
 
 def link(source: Path, name: Path) -> None:
@@ -61,8 +78,7 @@ def link(source: Path, name: Path) -> None:
             os.link(source, tmp)
         except OSError:  # no hard links here (some network file systems): copy instead
             shutil.copyfile(source, tmp)
-    os.replace(tmp, name)
-    sync_dir(name.parent)
+    put(tmp, name)
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -75,7 +91,13 @@ def periodic_name(step: int) -> str:
 
 
 def _remove(path: Path) -> None:
+    """Delete a file, a link, or a directory: renamed out of its name first, so that a kill
+    while it is deleted leaves no half-deleted checkpoint under a name that is read."""
     if path.is_dir() and not path.is_symlink():
+        if not path.name.endswith(".tmp"):
+            aside = path.with_name(f".{path.name}.{os.getpid()}.old.tmp")
+            os.replace(path, aside)
+            path = aside
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
@@ -134,9 +156,12 @@ def check_layout(directory: Path) -> None:
     if directory.exists() and not directory.is_dir():
         raise UserError(f"{directory} is a file, not a directory: the run keeps its "
                         f"checkpoints there; move it away")
+    # A step directory without DCP's index is a sharded checkpoint cut short: a resume skips
+    # it and a save replaces it. Under last.pt or best.pt, a directory is not ours to replace.
     names = [directory / "last.pt", directory / "best.pt", *directory.glob("step-*.pt")]
     for path in names:
-        if path.exists() and not is_checkpoint(path):
+        ours = path.is_symlink() or path.name.startswith("step-") and path.is_dir()
+        if path.exists() and not is_checkpoint(path) and not ours:
             raise UserError(f"{path} is a {'directory' if path.is_dir() else 'special file'}, "
                             f"not a checkpoint: the run writes its checkpoints under that "
                             f"name; move it away")

@@ -73,7 +73,9 @@ def load(path: str | Path, resume: bool = False, tensors: bool = True) -> dict[s
         state = sharded.read_full(path)
     else:
         state = sharded.read_meta(path)
-        state["model"], state["optimizer"] = {}, {}
+        # (Empty stand-ins for what the shards hold, so that the checks below see it there.)
+        for key in sharded.tensor_groups(path) & {"model", "optimizer"}:
+            state[key] = {}
         ema = (state.get("train_step") or {}).get("ema")
         if isinstance(ema, dict):
             state["train_step"]["ema"] = {**ema, "module": {}}
@@ -170,7 +172,12 @@ def latest_valid(directory: Path, tensors: bool = True
     started afresh over checkpoints that exist). `tensors`: as for `load`."""
     candidates = [directory / "last.pt", *sorted(directory.glob("step-*.pt"), reverse=True)]
     bad = []
-    for path in (c for c in candidates if io.is_checkpoint(c)):
+    for path in (c for c in candidates if c.exists()):
+        if not io.is_checkpoint(path):  # (a step directory that lost its index)
+            log.warning("resume: skipping %s: a directory without DCP's index (%s): not a "
+                        "whole checkpoint", path, sharded.INDEX)
+            bad.append(f"{path.name}: no index")
+            continue
         try:
             return path, load(path, resume=True, tensors=tensors)
         except UserError as e:

@@ -139,6 +139,7 @@ class CheckpointManager:
         """Each rank reads its own part of a sharded checkpoint's tensors (DCP reshards one
         written by another number of ranks); the EMA's, when both keep one."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import (
             get_optimizer_state_dict,
             set_optimizer_state_dict,
@@ -152,10 +153,10 @@ class CheckpointManager:
             tensors["ema"] = step.ema.module.state_dict()
         try:
             dcp.load(tensors, checkpoint_id=path)
-        except Exception as e:  # (DCP wraps each rank's error: its first line names it)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        except (Exception, CheckpointException) as e:  # (the index and shards were checked)
             raise UserError(f"checkpoint {path} does not fit this run's model and optimizer "
-                            f"({first}); resume with the settings it was trained with") from e
+                            f"({sharded.dcp_error(e)}); resume with the settings it was "
+                            f"trained with") from e
         step.model.load_state_dict(tensors["model"])
         set_optimizer_state_dict(step.model, step.optimizer, tensors["optimizer"])
         if "ema" in tensors:  # (its entry in `state` has an empty module: the count is read)

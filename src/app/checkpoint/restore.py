@@ -51,9 +51,10 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
     ]
     if not strict:
         fitting = {k: v for k, v in theirs.items() if k in ours and shape(v) == shape(ours[k])}
+        loaded = len(fitting)  # (a sharded model's load fills the dict in)
         sharded.load_full_weights(model, fitting, strict=False)
         skipped = missing + unexpected + wrong_shape
-        log.info("loaded %d of %d weights from %s%s", len(fitting), len(ours), path,
+        log.info("loaded %d of %d weights from %s%s", loaded, len(ours), path,
                  f"; skipped: {', '.join(skipped)}" if skipped else "")
         return
     if missing or unexpected or wrong_shape:

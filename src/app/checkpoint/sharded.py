@@ -18,8 +18,9 @@ single process as full tensors (`read_full`: evaluation, export, conversion).
 
 from __future__ import annotations
 
+import importlib
 import logging
-import os
+import pickle
 import shutil
 import threading
 import time
@@ -37,6 +38,10 @@ from app.errors import AppError, UserError
 from app.files import sync_dir
 
 log = logging.getLogger(__name__)
+
+# DCP warns at each save of one process without a process group (a run on one rank, `app.ckpt
+# convert`) that it assumes it saves alone, as it does; also from async_save's thread.
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
 
 META = "meta.pt"
 INDEX = ".metadata"
@@ -70,25 +75,22 @@ class ShardedWriter:
              then: Callable[[], None]) -> float:
         """Every rank calls it with its shards; `meta` (rank 0's) and `then` are rank 0's."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         start = time.perf_counter()
         progress.tick()
         self.saves += 1
         self.wait()
         tmp = temporary(path)
-        with warnings.catch_warnings():
-            # (One process without a process group, a run on one rank or `app.ckpt convert`:
-            # DCP saves alone, as asked, and warns that it assumes so.)
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            if not self.background:
-                with progress.busy():
-                    dcp.save(tensors, checkpoint_id=tmp, process_group=self.group)
-            else:
-                future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.group)
         if not self.background:
             with progress.busy():
+                try:
+                    dcp.save(tensors, checkpoint_id=tmp, process_group=self.group)
+                except (Exception, CheckpointException) as e:
+                    raise self._failed(tmp, path, e) from e
                 self._finish(meta, tmp, path, then)
         else:
+            future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.group)
             self._thread = threading.Thread(target=self._background, name="app-dcp-writer",
                                             args=(future, meta, tmp, path, then))
             self._thread.start()
@@ -97,13 +99,26 @@ class ShardedWriter:
 
     def _background(self, future: Any, meta: dict[str, Any] | None, tmp: Path, path: Path,
                     then: Callable[[], None]) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             with progress.busy():
-                future.result()  # every rank's shards and the index are written
+                try:
+                    future.result()  # every rank's shards and the index are written
+                except (Exception, CheckpointException) as e:
+                    raise self._failed(tmp, path, e) from e
                 self._finish(meta, tmp, path, then)
             progress.tick()
         except BaseException as e:  # raised in the loop's thread at its next save or wait
             self._error = e
+
+    def _failed(self, tmp: Path, path: Path, e: BaseException) -> AppError:
+        """A save that failed on some rank (a full disk, a quota): every rank gets the error
+        from DCP's last collective, so none writes into `tmp` any more; rank 0 removes it."""
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return AppError(f"checkpoint {path} could not be written ({dcp_error(e)}); the "
+                        f"checkpoints already on disk are intact")
 
     def _finish(self, meta: dict[str, Any] | None, tmp: Path, path: Path,
                 then: Callable[[], None]) -> None:
@@ -112,14 +127,11 @@ class ShardedWriter:
         try:
             io.save(meta, tmp / META)
             sync_dir(tmp)
-            if path.exists():  # (the same step written again: the new one replaces it)
-                old = path.with_name(f".{path.name}.old.tmp")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(path, old)
-                shutil.rmtree(old, ignore_errors=True)
-            os.replace(tmp, path)
-            sync_dir(path.parent)
-        except OSError as e:
+            io.put(tmp, path)  # (over the same step written before, a file or a directory)
+        except (OSError, AppError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, AppError):
+                raise
             raise AppError(f"checkpoint {path} could not be written ({e.strerror or e}); the "
                            f"checkpoints already on disk are intact") from e
         then()
@@ -138,19 +150,70 @@ class ShardedWriter:
 
 # ---- reading ---------------------------------------------------------------------------------
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """meta.pt of a sharded checkpoint, after checking that DCP's index reads and names only
-    files that are there (a checkpoint whose shards were lost is not one to resume from)."""
-    from torch.distributed.checkpoint import FileSystemReader
+class _IndexUnpickler(pickle.Unpickler):
+    """DCP writes its index with pickle and reads it with plain `pickle.load`, which runs any
+    code a crafted file names. This reader builds only what an index holds: DCP's metadata
+    classes, torch's dtypes, sizes and layouts, paths; anything else is refused."""
+
+    DCP = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    OTHERS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+              ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+              ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name:
+            if module in self.DCP:
+                found = getattr(importlib.import_module(module), name, None)
+                if isinstance(found, type) and found.__module__ == module:
+                    return found
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            if (module, name) in self.OTHERS:
+                return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def read_index(path: Path) -> Any:
+    """DCP's index of a sharded checkpoint (its Metadata), read safely, after checking that
+    every shard file it names is there and as long as it says (a checkpoint whose shards were
+    lost or cut short is not one to read)."""
+    from torch.distributed.checkpoint.metadata import Metadata
 
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:
-        raise UserError(f"checkpoint {path}: its index ({INDEX}) does not read ({e})") from e
-    files = {item.relative_path for item in (metadata.storage_data or {}).values()}
-    missing = sorted(f for f in files if not (path / f).is_file())
+        with open(path / INDEX, "rb") as f:
+            metadata = _IndexUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise UserError(f"checkpoint {path}: refused: its index ({INDEX}) names {e}, which is "
+                        f"not part of a checkpoint's index, and loading it could run code "
+                        f"(nothing was run). Load only checkpoints written by app, or by code "
+                        f"you trust") from e
+    except Exception as e:  # (garbage bytes make the unpickler raise almost anything)
+        raise UserError(f"checkpoint {path}: its index ({INDEX}) does not read "
+                        f"({_first_line(e)})") from e
+    if not isinstance(metadata, Metadata):
+        raise UserError(f"checkpoint {path}: its index ({INDEX}) is not DCP's")
+    ends: dict[str, int] = {}
+    for item in (metadata.storage_data or {}).values():
+        name = str(item.relative_path)
+        ends[name] = max(ends.get(name, 0), item.offset + item.length)
+    missing = sorted(name for name in ends if not (path / name).is_file())
     if missing:
         raise UserError(f"checkpoint {path}: shard files missing: {', '.join(missing)}")
+    short = sorted(name for name, end in ends.items() if (path / name).stat().st_size < end)
+    if short:
+        raise UserError(f"checkpoint {path}: shard files shorter than the index says (cut "
+                        f"short): {', '.join(short)}")
+    return metadata
+
+
+def tensor_groups(path: Path) -> set[str]:
+    """The entries of the checkpoint whose tensors are in its shards: model, optimizer, ema."""
+    return {key.split(".", 1)[0] for key in read_index(path).state_dict_metadata}
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """meta.pt of a sharded checkpoint, after checking its index (`read_index`)."""
+    read_index(path)
     if not (path / META).is_file():
         raise UserError(f"checkpoint {path}: no {META}: an incomplete sharded checkpoint")
     meta = io.read(path / META)
@@ -159,21 +222,44 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def dcp_error(e: BaseException) -> str:
+    """The first line of what failed in a DCP call: a CheckpointException (which is not an
+    Exception: it derives from BaseException) carries each rank's error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, failure = min(e.failures.items())
+        if isinstance(failure, tuple):  # (the error and its stack)
+            failure = failure[0]
+        return f"rank {rank}: {_first_line(failure)}"
+    return _first_line(e)
+
+
+def _first_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    if isinstance(e, RuntimeError) and "unexpected pos" in str(e):  # torch.save's zip writer
+        return "a write failed: is the disk full?"
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 def read_tensors(path: Path) -> dict[str, Any]:
     """Every tensor of a sharded checkpoint, whole, in this process (no process group)."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    read_index(path)  # (DCP unpickles it again: checked first)
     tensors: dict[str, Any] = {}
     try:
         # What DCP's own dcp_to_torch_save does: the planner builds the state dict from the
         # index; no_dist: read by this process alone, whatever the processes around it do.
         _load_state_dict(tensors, storage_reader=FileSystemReader(str(path)),
                          planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"checkpoint {path}: its shards do not read ({first})") from e
+    except (Exception, CheckpointException) as e:
+        raise UserError(f"checkpoint {path}: its shards do not read ({dcp_error(e)})") from e
     return tensors
 
 

@@ -76,7 +76,8 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     total_steps = int(min(t.max_steps or math.inf, (t.max_epochs or math.inf) * steps_per_epoch))
     scheduler = build_scheduler(cfg, optimizer, total_steps=total_steps)
     train_step = TrainStep(model, train_model, optimizer, scheduler, device, cfg.precision,
-                           t.grad_clip_norm, ema, skip_nonfinite=t.skip_nonfinite)
+                           t.grad_clip_norm, ema, skip_nonfinite=t.skip_nonfinite,
+                           broadcast_buffers=cfg.distributed.broadcast_buffers)
     losses = FiniteLosses()
     eval_model = ema.module if ema is not None else model  # EMA weights validate when enabled
     callbacks = Callbacks.build(cfg)

@@ -17,7 +17,7 @@ so checkpoints, EMA and validation see one model whatever the strategy.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -110,3 +110,32 @@ def shard(model: nn.Module, device: torch.device, wrap: list[str], precision: st
              dist.world_size(), f", parameters in {precision}" if precision in LOW_PRECISION
              else "")
     return model
+
+
+def buffer_broadcast(model: nn.Module) -> Callable[[], None] | None:
+    """`distributed.broadcast_buffers` for a sharded model: FSDP shards parameters, not
+    buffers (batch-norm statistics), which each rank then updates with its own batches. Called
+    after each step's forwards, it copies rank 0's into every rank, so that between steps all
+    ranks hold the same: they validate alike, and a checkpoint, which keeps one copy (DCP
+    saves a replicated tensor from one rank, not always rank 0), resumes them exactly. (DDP
+    broadcasts before each forward instead, and its checkpoint is rank 0's.) None without
+    buffers."""
+    import torch.distributed as tdist
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in model.buffers():
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    if not by_dtype:
+        return None
+
+    @torch.no_grad()
+    def broadcast() -> None:
+        for buffers in by_dtype.values():  # one collective per dtype
+            flat = torch.cat([b.reshape(-1) for b in buffers])
+            tdist.broadcast(flat, src=0)
+            offset = 0
+            for b in buffers:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+    return broadcast

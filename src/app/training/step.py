@@ -14,6 +14,7 @@ from torch import nn
 from app import dist, progress
 from app.errors import AppError, UserError
 from app.training.ema import ModelEMA
+from app.training.sharding import buffer_broadcast
 
 
 def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -55,7 +56,7 @@ class TrainStep:
                  scheduler: Any, device: torch.device, precision: str,
                  grad_clip_norm: float | None, ema: ModelEMA | None,
                  before_update: Callable[[], None] = lambda: None,
-                 skip_nonfinite: bool = False) -> None:
+                 skip_nonfinite: bool = False, broadcast_buffers: bool = True) -> None:
         check_precision(precision, device)
         self.model, self.train_model = model, train_model
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -73,6 +74,8 @@ class TrainStep:
         self.autocast = contextlib.nullcontext() if sharded else autocast_for(precision, device)
         self.no_sync = (lambda: _gradient_sync_off(model)) if sharded else \
             getattr(train_model, "no_sync", None)
+        # (DDP broadcasts rank 0's buffers itself.)
+        self.sync_buffers = buffer_broadcast(model) if sharded and broadcast_buffers else None
 
     def __call__(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
                  ) -> torch.Tensor:
@@ -93,6 +96,8 @@ class TrainStep:
                         loss = loss / n
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             losses.append(loss.detach().float())
+        if self.sync_buffers is not None:
+            self.sync_buffers()
         total = losses[0] if n == 1 else torch.stack(losses).sum()
         if self.grad_clip_norm is not None:
             if self.scaler is not None:
