@@ -156,11 +156,12 @@ def check_layout(directory: Path) -> None:
     if directory.exists() and not directory.is_dir():
         raise UserError(f"{directory} is a file, not a directory: the run keeps its "
                         f"checkpoints there; move it away")
-    # A step directory without DCP's index is a sharded checkpoint cut short: a resume skips
-    # it and a save replaces it. Under last.pt or best.pt, a directory is not ours to replace.
+    # A step directory with shards but no DCP index is a sharded checkpoint cut short: a
+    # resume skips it and a save replaces it. Any other directory is not ours to replace.
     names = [directory / "last.pt", directory / "best.pt", *directory.glob("step-*.pt")]
     for path in names:
-        ours = path.is_symlink() or path.name.startswith("step-") and path.is_dir()
+        ours = path.is_symlink() or path.name.startswith("step-") and path.is_dir() and (
+            any(path.glob("*.distcp")) or (path / "meta.pt").is_file())
         if path.exists() and not is_checkpoint(path) and not ours:
             raise UserError(f"{path} is a {'directory' if path.is_dir() else 'special file'}, "
                             f"not a checkpoint: the run writes its checkpoints under that "

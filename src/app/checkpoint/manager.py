@@ -131,7 +131,7 @@ class CheckpointManager:
                         "continues, but not bit-identically", len(state["rng"]), world_size)
         log.info("resumed from %s at step %d (epoch %d)", path, self.loop.step, self.loop.epoch)
         self._warn_if_the_schedule_changed(state)
-        if dist.is_main():
+        if dist.is_main() and self.cfg.resume == "auto":  # (a checkpoint named by hand: as is)
             repair_names(self.directory, path, state)
         self.resumed_from = path
 

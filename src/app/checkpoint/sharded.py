@@ -173,10 +173,11 @@ class _IndexUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name}")
 
 
-def read_index(path: Path) -> Any:
+def read_index(path: str | Path) -> Any:
     """DCP's index of a sharded checkpoint (its Metadata), read safely, after checking that
     every shard file it names is there and as long as it says (a checkpoint whose shards were
     lost or cut short is not one to read)."""
+    path = Path(path)
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
@@ -206,13 +207,14 @@ def read_index(path: Path) -> Any:
     return metadata
 
 
-def tensor_groups(path: Path) -> set[str]:
+def tensor_groups(path: str | Path) -> set[str]:
     """The entries of the checkpoint whose tensors are in its shards: model, optimizer, ema."""
     return {key.split(".", 1)[0] for key in read_index(path).state_dict_metadata}
 
 
-def read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: str | Path) -> dict[str, Any]:
     """meta.pt of a sharded checkpoint, after checking its index (`read_index`)."""
+    path = Path(path)
     read_index(path)
     if not (path / META).is_file():
         raise UserError(f"checkpoint {path}: no {META}: an incomplete sharded checkpoint")
@@ -244,8 +246,9 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
-def read_tensors(path: Path) -> dict[str, Any]:
+def read_tensors(path: str | Path) -> dict[str, Any]:
     """Every tensor of a sharded checkpoint, whole, in this process (no process group)."""
+    path = Path(path)
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -280,8 +283,9 @@ def optimizer_by_names(state: dict[str, Any], names: list[str]) -> dict[str, Any
                              for g in state["param_groups"]]}
 
 
-def read_full(path: Path) -> dict[str, Any]:
+def read_full(path: str | Path) -> dict[str, Any]:
     """A sharded checkpoint in the single-file layout, its tensors whole."""
+    path = Path(path)
     meta = read_meta(path)
     tensors = read_tensors(path)
     state = dict(meta)
