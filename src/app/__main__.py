@@ -68,10 +68,12 @@ def main(dict_cfg: DictConfig) -> float | None:
         if spawns_workers(cfg, env):
             prestart(cfg)  # a worker server imports torch while this process does the same
         result = launch(cfg, run_dir, env)
+        # Before result.json says so: a stop signal once that file says "completed" (the
+        # test's cue) must not kill the process. (A sweep's next job has not begun: it may stop.)
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            stop_signals_stop_nothing()
         if record:
             write_result(run_dir, "completed", time.monotonic() - started)
-        if HydraConfig.get().mode != RunMode.MULTIRUN:
-            stop_signals_stop_nothing()  # (a sweep's next job has not begun: it may stop)
     except BaseException as e:
         stopped = isinstance(e, (Interrupted, KeyboardInterrupt))  # by a signal
         if record and not isinstance(e, RunDirInUse):  # (then the run is another command's)
