@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from app import dist
 from app.checkpoint import io, sharded
 from app.checkpoint.layout import FORMAT_VERSION, LOOP_COUNTERS, latest_valid, load, repair_names
-from app.checkpoint.restore import load_model_weights, load_optimizer_state
+from app.checkpoint.restore import check_same_optimizer, load_model_weights, load_optimizer_state
 from app.checkpoint.rng import rng_state, set_rng_state
 from app.checkpoint.writer import CheckpointWriter
 from app.errors import UserError
@@ -55,7 +55,7 @@ class CheckpointManager:
         # Sharded checkpoints under fsdp (even on one rank: any number of ranks resumes them).
         self.sharded = cfg.distributed.strategy == "fsdp"
         self.sharded_model = sharded.model_is_sharded(train_step.model)
-        self.writer: CheckpointWriter | sharded.ShardedWriter
+        self.writer: CheckpointWriter | sharded.ShardedWriter  # (both BackgroundWrites)
         if self.sharded:
             # DCP's collectives on a group of their own: a background save's must not
             # interleave with the training's on the default group.
@@ -146,7 +146,7 @@ class CheckpointManager:
         )
 
         step = self.train_step
-        self._check_optimizer(state, path)
+        check_same_optimizer(state, path, self.cfg.optimizer)
         tensors = {"model": step.model.state_dict(),
                    "optimizer": get_optimizer_state_dict(step.model, step.optimizer)}
         if step.ema is not None and (state.get("train_step") or {}).get("ema"):
@@ -161,15 +161,6 @@ class CheckpointManager:
         set_optimizer_state_dict(step.model, step.optimizer, tensors["optimizer"])
         if "ema" in tensors:  # (its entry in `state` has an empty module: the count is read)
             step.ema.module.load_state_dict(tensors["ema"])
-
-    def _check_optimizer(self, state: dict[str, Any], path: Path) -> None:
-        trained = ((state.get("config") or {}).get("optimizer") or {}).get("_target_")
-        current = self.cfg.optimizer.get("_target_")
-        if trained not in (None, current):
-            raise UserError(
-                f"checkpoint {path} was trained with optimizer {trained}, this run has "
-                f"{current}: resume with the same optimizer, or start a new schedule from its "
-                f"weights with ckpt={path} resume=null")
 
     def _fine_tune(self, path: str) -> None:
         step = self.train_step

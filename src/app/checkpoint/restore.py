@@ -78,16 +78,23 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
     sharded.load_full_weights(model, theirs)
 
 
+def check_same_optimizer(state: dict[str, Any], path: str | Path, current: dict[str, Any]
+                         ) -> None:
+    """A checkpoint of another optimizer class is an error naming both."""
+    trained = ((state.get("config") or {}).get("optimizer") or {}).get("_target_")
+    if trained not in (None, current.get("_target_")):
+        raise UserError(
+            f"checkpoint {path} was trained with optimizer {trained}, this run has "
+            f"{current.get('_target_')}: resume with the same optimizer, or start a new "
+            f"schedule from its weights with ckpt={path} resume=null")
+
+
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                          state: dict[str, Any], path: str | Path, current: dict[str, Any]
                          ) -> None:
     """Resume the optimizer; a checkpoint of another optimizer is an error naming both."""
+    check_same_optimizer(state, path, current)
     trained = (state.get("config") or {}).get("optimizer") or {}
-    if trained.get("_target_", current.get("_target_")) != current.get("_target_"):
-        raise UserError(
-            f"checkpoint {path} was trained with optimizer {trained.get('_target_')}, this run "
-            f"has {current.get('_target_')}: resume with the same optimizer, or start a new "
-            f"schedule from its weights with ckpt={path} resume=null")
     try:
         sharded.load_full_optimizer(model, optimizer, state["optimizer"])
     except (ValueError, KeyError, RuntimeError) as e:

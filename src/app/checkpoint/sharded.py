@@ -34,6 +34,7 @@ from torch import nn
 
 from app import progress
 from app.checkpoint import io
+from app.checkpoint.writer import BackgroundWrites
 from app.errors import AppError, UserError
 from app.files import sync_dir
 
@@ -58,18 +59,15 @@ def temporary(path: Path) -> Path:
 
 # ---- writing ---------------------------------------------------------------------------------
 
-class ShardedWriter:
+class ShardedWriter(BackgroundWrites):
     """Sharded saves, in the background when asked (DCP's `async_save`: the tensors are
     copied to host memory before it returns, then written by a thread while training goes
     on); the interface of app.checkpoint.writer.CheckpointWriter. One save is in flight at a
     time; rank 0 renames a finished checkpoint into place and calls `then` (links, pruning)."""
 
     def __init__(self, background: bool, is_main: bool, group: Any = None) -> None:
-        self.background, self.is_main, self.group = background, is_main, group
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self.saves = 0
-        self.waited_s = 0.0
+        super().__init__(background)
+        self.is_main, self.group = is_main, group
 
     def save(self, tensors: dict[str, Any], meta: dict[str, Any] | None, path: Path,
              then: Callable[[], None]) -> float:
@@ -138,14 +136,6 @@ class ShardedWriter:
 
     def hold_until_copied(self) -> None:
         """(DCP copies the tensors before `async_save` returns: nothing to wait for.)"""
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
 
 
 # ---- reading ---------------------------------------------------------------------------------

@@ -30,17 +30,35 @@ from app.checkpoint import io
 log = logging.getLogger(__name__)
 
 
-class CheckpointWriter:
-    def __init__(self, background: bool = True) -> None:
+class BackgroundWrites:
+    """What both writers share (this module's and app.checkpoint.sharded's): one write in
+    flight at a time, in a thread whose error is raised in the loop's thread at `wait`, and
+    the count and time of the saves."""
+
+    def __init__(self, background: bool) -> None:
         self.background = background
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.saves = 0
+        self.waited_s = 0.0  # how long the loop was held up by saves (the final wait aside)
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk; raise its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+class CheckpointWriter(BackgroundWrites):
+    def __init__(self, background: bool = True) -> None:
+        super().__init__(background)
         self._buffers: list[torch.Tensor] = []
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._copied = threading.Event()
         self._copied.set()
-        self.saves = 0
-        self.waited_s = 0.0  # how long the loop was held up by saves (the final wait aside)
 
     def save(self, state: dict[str, Any], path: Path, then: Callable[[], None],
              changed_only_by_step: Iterable[torch.Tensor] = ()) -> float:
@@ -76,15 +94,6 @@ class CheckpointWriter:
             start = time.perf_counter()
             self._copied.wait()
             self.waited_s += time.perf_counter() - start
-
-    def wait(self) -> None:
-        """Block until the write in flight (if any) is on disk; raise its error, if any."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
 
     def _write(self, state: dict[str, Any], path: Path, then: Callable[[], None],
                start: float) -> None:
