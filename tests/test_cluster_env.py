@@ -129,7 +129,7 @@ def test_device_counts() -> None:
 
 
 def test_local_jobs_get_disjoint_device_slices() -> None:
-    from hydra_plugins.app_submitit.launcher import device_slice
+    from hydra_plugins.app_submitit._job import device_slice
 
     ids = ["0", "1", "2", "3", "4", "5", "6", "7"]
     assert [device_slice(n, 2, ids) for n in range(5)] == [

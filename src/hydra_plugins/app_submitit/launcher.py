@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
-from hydra.types import RunMode
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import OmegaConf
+
+from ._job import JobSide
 
 log = logging.getLogger(__name__)
 
@@ -61,123 +62,7 @@ def _sigterm_as_interrupt(active: bool) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def device_slice(job_num: int, devices: int | str, ids: list[str]) -> list[str] | None:
-    """The devices of local job `job_num`: slot job_num mod (len(ids) // devices). More jobs
-    than slots share slots round-robin. None when there is nothing to split."""
-    if devices == "auto" or len(ids) < 2 or devices >= len(ids):
-        return None
-    slot = job_num % (len(ids) // devices)
-    return ids[slot * devices:(slot + 1) * devices]
-
-
-class _AppSubmititLauncher(BaseSubmititLauncher):
-    def _compose_and_validate(self, overrides: list[str], job_num: int) -> DictConfig:
-        # app is imported lazily, as the stock plugin does with submitit: Hydra imports every
-        # plugin module at start-up, and this one must not slow down runs that don't use it.
-        from app.config import to_app_config
-        from app.errors import AppError
-        from app.from_run import apply_run
-
-        assert self.hydra_context is not None and self.config is not None
-        config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
-        with read_write(config.hydra), open_dict(config.hydra):
-            config.hydra.job.num = job_num
-            # Fixed strings: the job must not re-derive its directory (from the clock, say).
-            config.hydra.sweep.dir = str(config.hydra.sweep.dir)
-            config.hydra.sweep.subdir = str(config.hydra.sweep.subdir)
-            config.hydra.mode = RunMode.MULTIRUN
-        try:
-            config = apply_run(config, overrides)  # (the job applies it again: the same)
-            cfg = to_app_config(config)
-            self._check_allocation(cfg.devices, cfg.nodes)
-            self._share_devices(config, cfg, job_num)
-        except AppError as e:
-            log.error("job #%d (%s): %s; nothing was submitted", job_num,
-                      " ".join(filter_overrides(overrides)), e)
-            sys.exit(2)
-        return config
-
-    def _share_devices(self, config: DictConfig, cfg: Any, job_num: int) -> None:
-        """Local jobs run side by side: give each its own slice of this machine's GPUs."""
-        if self._EXECUTOR != "local":
-            return
-        import os
-
-        import torch
-
-        from app.launch.plan import resolve_accelerator
-
-        if resolve_accelerator(cfg.accelerator, cfg.accelerator_strict) != "cuda":
-            return
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",") if visible else [str(i) for i in range(
-            torch.cuda.device_count())]
-        own = device_slice(job_num, cfg.devices, ids)
-        if own is not None:
-            with open_dict(config.hydra.job):
-                config.hydra.job.env_set.CUDA_VISIBLE_DEVICES = ",".join(own)
-            log.info("job #%d: CUDA_VISIBLE_DEVICES=%s", job_num, ",".join(own))
-
-    def _check_allocation(self, devices: int | str, nodes: int) -> None:
-        """One allocation serves every job of a sweep: it must fit each job's topology."""
-        from app.errors import UserError
-
-        if self._EXECUTOR == "slurm" and (devices, nodes) != (
-                self.params["tasks_per_node"], self.params["nodes"]):
-            raise UserError(
-                f"devices={devices} nodes={nodes} differ from the sweep's allocation "
-                f"({self.params['tasks_per_node']} tasks per node, {self.params['nodes']} "
-                f"nodes): submit one sweep per value of devices and nodes")
-
-    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int,
-                 job_id: str, singleton_state: dict[type, Singleton]) -> JobReturn:
-        import submitit  # lazy, as in the stock launcher
-
-        from app._private import job_error
-        from app.env import enter
-
-        assert self.hydra_context is not None and self.task_function is not None
-        enter()  # this job's place: detected once, in this process's entry
-        if self._EXECUTOR == "slurm":
-            from ._job_report import JobFailed
-            from ._recover import check_restarts
-
-            too_many = check_restarts(self.params.get("max_num_timeout", 0),
-                                      self.max_num_failures)
-            if too_many is not None:
-                raise JobFailed(too_many)
-        Singleton.set_state(singleton_state)
-        setup_globals()
-        config = self.composed[job_num].copy()
-        with open_dict(config.hydra.job):
-            config.hydra.job.id = submitit.JobEnvironment().job_id
-        result = run_job(hydra_context=self.hydra_context, task_function=self.task_function,
-                         config=config, job_dir_key=job_dir_key,
-                         job_subdir_key="hydra.sweep.subdir")
-        if result.status == JobStatus.FAILED:
-            raise job_error(result)
-        self._fail_if_recorded(self._run_dir(job_num))
-        return result
-
-    @staticmethod
-    def _fail_if_recorded(run_dir: Path) -> None:
-        """A job that is this one process (one task) returns NaN when it fails, so that a local
-        sweep goes on (app/__main__.py); its task must still exit non-zero for Slurm to mark
-        the job FAILED. rank 0 of a job of many tasks raises instead."""
-        import json
-
-        from app.env import this_process
-        from app.reporting.results import RESULT
-
-        from ._job_report import JobFailed
-
-        record = run_dir / RESULT
-        if this_process().is_rank or not record.is_file():
-            return
-        ended = json.loads(record.read_text())
-        if ended.get("status") == "failed":
-            raise JobFailed(ended.get("error") or "the job failed")
-
+class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
     def __init__(self, **params: Any) -> None:
         # app's own options, not submitit's (they must not reach its executor).
         self.wait, self.dry_run = params.pop("wait", True), params.pop("dry_run", False)
