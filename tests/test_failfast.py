@@ -135,7 +135,13 @@ def test_a_stop_that_a_stopped_rank_blocks_says_that_no_checkpoint_was_saved(tmp
     code, output, before = _stop_with_rank_1_stopped(
         run_dir, "distributed.stall_timeout_s=null", "distributed.timeout_s=10")
     assert code == 128 + signal.SIGTERM, output[-3000:]
-    assert sorted((run_dir / "checkpoints").glob("step-*.pt")) == before  # none written
+    # None written at the stop. A periodic checkpoint (an epoch's end) may still have been
+    # written after `before` was listed (the background writer, slow under load; it failed
+    # a fresh `make test` once): none at another step.
+    after = sorted((run_dir / "checkpoints").glob("step-*.pt"))
+    per_epoch = int(re.search(r"(\d+) steps/epoch",
+                              (run_dir / "logs" / "rank0.log").read_text())[1])
+    assert all(int(p.stem.split("-")[1]) % per_epoch == 0 for p in set(after) - set(before))
     # (Rank 0 fails its collective at timeout_s and reports it; under heavy load it may not
     # before the launcher's deadline, and is then named too.)
     assert re.search(r"stopped by SIGTERM, but no checkpoint was saved at the stop "
