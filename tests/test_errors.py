@@ -14,8 +14,9 @@ from conftest import TINY, run_app, run_job
 # Refused while Hydra composes the config.
 COMPOSING = {
     "unknown key": (["trainer.max_epoch=3"], "max_epoch"),
-    "unknown group option": (["model=resnet50"], "resnet50"),
-    "wrong type": (["trainer.max_epochs=many"], "max_epochs"),
+    "unknown group option": (["model=resnet50"], "did you mean model=resnet?"),
+    "wrong type": (["trainer.max_epochs=many"], "trainer.max_epochs=many: expected a whole"),
+    "not an override": (["data.batch_size"], "data.batch_size: not a valid override"),
     "wrong choice": (["trainer.monitor_mode=up"], "monitor_mode"),
     "bad monitor": (["trainer.monitor=val/f1"], "trainer.monitor=val/f1"),
     "unknown accelerator": (["accelerator=tpu"], "accelerator=tpu"),
@@ -68,6 +69,8 @@ def test_a_config_hydra_cannot_compose_is_one_clear_error(case, trained, tmp_pat
     overrides, words = COMPOSING[case]
     result = run_app(tmp_path / "run", *_overrides(case, overrides, trained))
     _one_clear_line(result, words, tmp_path / "run")
+    assert result.returncode == 2  # bad input, as for the app's own checks
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 @pytest.mark.parametrize("case", list(CHECKS))

@@ -3,10 +3,12 @@ one line.
 
 Hydra composes the config before our task function runs, inside its own error handler
 (`hydra._internal.utils.run_and_report`): a YAML file it cannot parse comes out as some 90
-lines of traceback, a value outside a closed set over five lines, and a misspelt key as
-advice to append it with `+` (which a typed section then rejects, and which for a `_target_`
-group passes the misspelling on). Hydra's own short errors (an unknown group option, a value
-of the wrong type) are left as they are, and so is everything when HYDRA_FULL_ERROR is set.
+lines of traceback, a value outside a closed set or of the wrong type over five lines, an
+unknown group option with the config search path, an override it cannot parse with a link,
+all with exit status 1, and a misspelt key as advice to append it with `+` (which a typed
+section then rejects, and which for a `_target_` group passes the misspelling on). Each is
+one line here, and exit status 2, as for the app's own checks of a value. Everything is left
+to Hydra when HYDRA_FULL_ERROR is set.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hydra.errors import ConfigCompositionException
+from hydra.errors import (
+    ConfigCompositionException,
+    HydraException,
+    MissingConfigException,
+    OverrideParseException,
+)
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
@@ -108,6 +115,73 @@ def choice_line(e: ValidationError) -> str | None:
     return f"{e.full_key}={match[1]}: expected one of {match[2]}"
 
 
+# OmegaConf's names of the types a value could not be converted to, in the app's words.
+_EXPECTED = {"Integer": "a whole number", "Float": "a number", "String": "a string"}
+
+
+def type_line(e: ValidationError) -> str | None:
+    """`KEY=VALUE: expected a whole number` for a value of the wrong type, which OmegaConf
+    reports over five lines with the schema's class names."""
+    msg, key = str(e.msg), getattr(e, "full_key", None)
+    if not key:
+        return None
+    if match := re.match(r"Value '(.*)' of type '.*' could not be converted to (\w+)", msg, re.S):
+        return f"{key}={match[1]}: expected {_EXPECTED.get(match[2], match[2])}"
+    if match := re.match(r"Value '(.*)' is not a valid bool", msg, re.S):
+        return f"{key}={match[1]}: expected true or false"
+    if re.match(r"field '.*' is not Optional", msg):
+        return f"{key}=null: {key} cannot be null; give it a value"
+    return None
+
+
+def option_line(e: MissingConfigException) -> str | None:
+    """`GROUP=NAME: no such option; did you mean ...? (options: ...)` for an unknown option of
+    a config group, which Hydra reports with the whole config search path."""
+    text = str(e)
+    match = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    if not match:
+        return None
+    group, name = match[1], match[2]
+    listed = re.search(r"Available options in '[^']+':\n((?:\t.*(?:\n|$))*)", text)
+    options = [o.strip() for o in listed[1].splitlines() if o.strip()] if listed else []
+    near = difflib.get_close_matches(name, options, n=1)
+    source = re.match(r"In '([^']+)': ", text)
+    # (The primary config's or Hydra's own defaults: the command's override; else a file's.)
+    where = f"{source[1]}: " if source and source[1] != "config" and not \
+        source[1].startswith("hydra/") else ""
+    hint = f"; did you mean {group}={near[0]}?" if near else ""
+    known = f"options: {', '.join(options)}" if options else \
+        f"the group {group} has no options here; is it on hydra.searchpath?"
+    return f"{where}{group}={name}: no such option{hint} ({known})"
+
+
+def _unparsable(arguments: list[str]) -> str | None:
+    """The first of the command's overrides that Hydra's grammar rejects."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for argument in arguments:
+        if argument.startswith("-"):  # (Hydra's own flags: --multirun, -cn ...)
+            continue
+        try:
+            parser.parse_override(argument)
+        except HydraException:  # (one override's error is not an OverrideParseException)
+            return argument
+    return None
+
+
+def parse_line(e: OverrideParseException) -> str:
+    """`OVERRIDE: not a valid override (why); the forms` for what Hydra's override grammar
+    rejects, which it reports over three lines, not always naming the override."""
+    lines = [line for line in str(e).splitlines() if line and not line.startswith("See http")]
+    named = re.match(r"Error parsing override '(.*)'$", lines[0]) if lines else None
+    override = named[1] if named else _unparsable(sys.argv[1:])
+    reason = "; ".join(lines[1:] if named else lines) or "a syntax error"
+    return (f"{override + ': ' if override else ''}not a valid override ({reason}); write "
+            f"KEY=VALUE, +KEY=VALUE to add a key, ~KEY to remove one, and quote values with "
+            f"spaces or brackets (https://hydra.cc/docs/advanced/override_grammar/basic/)")
+
+
 def _raised_by_the_job(e: BaseException) -> bool:
     """Whether `e` came from inside the task function (a job's own error, reported by the job
     path), not from Hydra's composition before it."""
@@ -135,9 +209,13 @@ def explain(e: BaseException) -> str | None:
             return (f"{path}: not UTF-8 text (byte {seen.object[seen.start]:#04x} at offset "
                     f"{seen.start}); save it as UTF-8")
         seen = seen.__cause__ or seen.__context__
+    if isinstance(e, MissingConfigException):
+        return option_line(e)
+    if isinstance(e, OverrideParseException):
+        return parse_line(e)
     cause = e.__cause__
     if isinstance(e, ConfigCompositionException) and isinstance(cause, ValidationError):
-        return choice_line(cause)  # None for a wrong type: Hydra's message names it well
+        return choice_line(cause) or type_line(cause)
     if isinstance(e, ConfigCompositionException) and isinstance(
             cause, ConfigKeyError | ConfigAttributeError):
         match = re.match(r"Could not override '([^']+)'", str(e))
@@ -150,7 +228,8 @@ def explain(e: BaseException) -> str | None:
     if isinstance(e, ConfigCompositionException) and source:
         if isinstance(merged, ConfigKeyError) and (line := renamed(merged.full_key or "")):
             return f"{source[1]}: {line}"
-        if isinstance(merged, ValidationError) and (line := choice_line(merged)):
+        if isinstance(merged, ValidationError) and (
+                line := choice_line(merged) or type_line(merged)):
             return f"{source[1]}: {line}"
     return None
 
