@@ -56,6 +56,17 @@ def test_a_failing_rank_ends_the_job_in_one_line(tmp_path) -> None:
     assert len(pids) == 2 and not [p for p in pids if alive(p)]
 
 
+def test_a_user_error_on_one_rank_exits_2_as_it_does_with_one_process(tmp_path) -> None:
+    # (Rank 0 fails too, in its next collective: the cause is rank 1's, and its status.)
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, *FAULTY, "+model.fault=user_error")
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, output[-3000:]
+    assert "rank 1 failed: UserError: injected bad input" in output, output[-3000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "failed" and "UserError: injected bad input" in result["error"]
+
+
 @pytest.mark.parametrize("fault,words", [
     ("kill", ["rank 1 (pid", "killed by SIGKILL"]),
     ("hang", ["distributed.timeout_s=5", "rank(s) 1 did not exit"]),

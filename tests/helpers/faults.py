@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 
 from app import dist
 from app.data import Digits
+from app.errors import UserError
 from app.models import CNN
 
 
@@ -48,6 +49,8 @@ class FaultyCNN(CNN):
             if self._fires():
                 if self.fault == "raise":
                     raise RuntimeError("injected fault")
+                if self.fault == "user_error":  # (a user's data or model check, on one rank)
+                    raise UserError("injected bad input")
                 if self.fault == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 if self.fault == "hang":

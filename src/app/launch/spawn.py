@@ -307,8 +307,13 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
         # machine's fault: only a death by a signal of its own is retried.
         machine_fault = _killed_by_signal(procs, killed) is not None and not any(
             r.get("stall") for r in reports)
+        # The exit status of the earliest error (the cause, as _failure_message names it).
+        first = min(reports, key=lambda r: r["time"], default={})
+        cause_code = 1 if machine_fault or any(r.get("stall") for r in reports) else \
+            first.get("exit_code", 1)
         raise (WorkerKilled if machine_fault else WorkerFailed)(_failure_message(
-            procs, killed, reports, grace, cfg.distributed.timeout_s, run_dir, base_rank))
+            procs, killed, reports, grace, cfg.distributed.timeout_s, run_dir, base_rank),
+            cause_code)
     finally:
         for pid in pids:
             pid.close()

@@ -89,7 +89,7 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
                 # (result.json, summaries, app.status) names the cause instead.
                 rank_log = run_dir / "logs" / f"rank{first['rank']}.log"
                 raise WorkerFailed(f"rank {first['rank']} failed: {first['error']} (traceback "
-                                   f"in {rank_log})") from e
+                                   f"in {rank_log})", first.get("exit_code", 1)) from e
             raise
         finally:
             if guard is not None:
@@ -104,7 +104,8 @@ def _record_failure(run_dir: Path, rank: int, error: BaseException) -> None:
     ranks share no launcher that would see them all)."""
     try:
         (run_dir / "logs" / f"rank{rank}.failed.json").write_text(json.dumps(
-            {"rank": rank, "time": time.time(), "error": one_line(error)}))
+            {"rank": rank, "time": time.time(), "error": one_line(error),
+             "exit_code": error.exit_code if isinstance(error, AppError) else 1}))
     except OSError:
         pass  # (the error itself is what the rank reports)
 
