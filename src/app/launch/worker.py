@@ -83,7 +83,10 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
             if guard is not None:  # a collective failed as a stalled job ended: the stall
                 watchdog.hold_if_stalled(0 if isinstance(e, AppError) else 2 * guard.interval + 1)
             _record_failure(run_dir, me.rank, e)  # (before this rank's exit ends its peers)
-            first = _first_failure(run_dir, started) if me.rank == 0 else None
+            # A stop is no failure: every rank saved and stopped at the same step, and the
+            # launcher tells that from each rank's own Interrupted.
+            first = _first_failure(run_dir, started) if me.rank == 0 and not isinstance(
+                e, Interrupted) else None
             if first is not None and first["rank"] != 0:
                 # Rank 0's own error is the collective its peer's end broke: the run's record
                 # (result.json, summaries, app.status) names the cause instead.
