@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 from app.reporting.curves import draw_curves
+from app.reporting.results import folder_arg
 from app.reporting.summary import curves_note, job_summary, markdown, write_summary
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.report", description=__doc__)
-    parser.add_argument("path", type=Path, help="a run directory or a sweep directory")
+    parser.add_argument("path", type=folder_arg, help="a run directory or a sweep directory")
     path = parser.parse_args(argv).path
     if (path / "metrics.csv").is_file():
         summary = job_summary(path)

@@ -22,7 +22,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from app.flat import leaves
-from app.reporting.results import RESULT, read_metrics
+from app.reporting.results import RESULT, folder_arg, read_metrics
 from app.reporting.summary import job_summary, overrides_of
 
 SKIP = {".code", ".submitit", "checkpoints", "logs", "plots", ".hydra", "export"}
@@ -192,16 +192,15 @@ def differences(a: DictConfig, b: DictConfig) -> list[tuple[str, Any, Any]]:
             if la.get(k, "-") != lb.get(k, "-")]
 
 
-def _run_dir(text: str) -> Path | None:
-    path = Path(text).expanduser()
+def _run_dir(path: Path) -> Path | None:
     if not (path / ".hydra" / "config.yaml").is_file():
-        print(f"error: {text}: not a run directory (no .hydra/config.yaml)", file=sys.stderr)
+        print(f"error: {path}: not a run directory (no .hydra/config.yaml)", file=sys.stderr)
         return None
     return path
 
 
-def cmd_show(text: str) -> int:
-    run = _run_dir(text)
+def cmd_show(path: Path) -> int:
+    run = _run_dir(path)
     if run is None:
         return 2
     r = describe(run)
@@ -224,8 +223,8 @@ def cmd_show(text: str) -> int:
     return 0
 
 
-def cmd_diff(text_a: str, text_b: str) -> int:
-    a, b = _run_dir(text_a), _run_dir(text_b)
+def cmd_diff(path_a: Path, path_b: Path) -> int:
+    a, b = _run_dir(path_a), _run_dir(path_b)
     if a is None or b is None:
         return 2
     ra, rb = describe(a), describe(b)
@@ -274,10 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("filters", nargs="*", help="DIR first (default outputs), then KEY=VALUE")
     ls.add_argument("--status", help="completed, failed, interrupted, running ...")
     show = commands.add_parser("show", help="one run")
-    show.add_argument("run")
+    show.add_argument("run", type=folder_arg)
     diff = commands.add_parser("diff", help="two runs")
-    diff.add_argument("run_a")
-    diff.add_argument("run_b")
+    diff.add_argument("run_a", type=folder_arg)
+    diff.add_argument("run_b", type=folder_arg)
     args = parser.parse_args(argv)
     if args.command == "ls":
         root, wanted = Path("outputs"), list(args.filters)

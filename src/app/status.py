@@ -20,6 +20,7 @@ from typing import Any
 
 from app import slurm
 from app.launch.run_lock import LOCK_NAME
+from app.reporting.results import folder_arg
 from app.reporting.summary import collect, job_summary
 
 PROGRESS = re.compile(r"\] - step (\d+)/(\d+) ")  # the loop's log line: "step N/M epoch E: ..."
@@ -164,7 +165,7 @@ def sweep_lines(sweep_dir: Path) -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.status", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", type=Path, help="a sweep directory or a run directory")
+    parser.add_argument("path", type=folder_arg, help="a sweep directory or a run directory")
     path = parser.parse_args(argv).path
     if (path / "submission.json").is_file() or any(path.glob("*/.hydra/overrides.yaml")):
         lines = sweep_lines(path)

@@ -18,6 +18,18 @@ log = logging.getLogger(__name__)
 RESULT = "result.json"
 
 
+def folder_arg(text: str) -> Path:
+    """argparse's `type` for the folder the reading commands (app.status, app.report,
+    app.runs) take: a missing one is named as such, not as a folder of the wrong kind."""
+    import argparse
+
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text}: {'not a folder' if path.exists() else 'no such folder'}")
+    return path
+
+
 def write_result(run_dir: Path, status: str, wall_s: float, error: str | None = None,
                  raise_errors: bool = True) -> None:
     """Record how the run ended, atomically (a summary may read it at any time). A write that
