@@ -115,8 +115,11 @@ def test_status_of_a_run_directory_and_of_nothing(tmp_path) -> None:
     run_dir = _run_dir(tmp_path, {"status": "completed", "wall_s": 1.0}, steps=3)
     done = _app_module("app.status", run_dir)
     assert done.returncode == 0 and "completed: best val/acc 0.3, step 3" in done.stdout
-    nothing = _app_module("app.status", tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    nothing = _app_module("app.status", tmp_path / "empty")
     assert nothing.returncode == 2 and "neither a sweep directory" in nothing.stderr
+    nowhere = _app_module("app.status", tmp_path / "nowhere")
+    assert nowhere.returncode == 2 and "nowhere: no such folder" in nowhere.stderr
 
 
 # -- on the cluster ------------------------------------------------------------------------------

@@ -73,9 +73,10 @@ def test_report_redraws_a_run(tmp_path, trained) -> None:
                          capture_output=True, text=True)
     assert run.returncode == 0 and "completed, 88 steps" in run.stdout
     assert (trained / "plots" / "curves.png").is_file()
-    missing = subprocess.run([sys.executable, "-m", "app.report", str(tmp_path / "nope")],
-                             cwd=REPO, capture_output=True, text=True)
-    assert missing.returncode == 2 and "neither a run directory" in missing.stderr
+    (tmp_path / "empty").mkdir()
+    empty = subprocess.run([sys.executable, "-m", "app.report", str(tmp_path / "empty")],
+                           cwd=REPO, capture_output=True, text=True)
+    assert empty.returncode == 2 and "neither a run directory" in empty.stderr
 
 
 def test_optuna_search_runs_trials_and_reports_the_best(tmp_path) -> None:
