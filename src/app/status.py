@@ -137,9 +137,13 @@ def failure_of(record: dict[str, Any], sweep_dir: Path, job: dict[str, Any], sta
 
 def sweep_lines(sweep_dir: Path) -> list[tuple[str, str]]:
     """(status, line) per job of a sweep directory."""
-    from hydra_plugins.app_submitit._submission import jobs_by_num, read
+    from hydra_plugins.app_submitit._submission import Unreadable, jobs_by_num, read
 
-    record = read(sweep_dir)
+    try:
+        record = read(sweep_dir)
+    except Unreadable as e:
+        print(f"warning: {e}: the jobs are read from their run directories", file=sys.stderr)
+        record = {}
     recorded = jobs_by_num(record)
     if not recorded:  # a sweep that was waited for, or run locally: its run directories
         return [(s, f"job #{job['job']}: {said} [{job['overrides']}]")

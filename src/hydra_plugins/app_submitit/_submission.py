@@ -22,13 +22,27 @@ from app.files import write_text_atomically
 RECORD = "submission.json"
 
 
+class Unreadable(Exception):
+    """A record that cannot be read (cut short, edited by hand); the message names it."""
+
+
 def read(sweep_dir: Path) -> dict[str, Any]:
-    """The sweep's record ({} when there is none, or it cannot be read)."""
+    """The sweep's record ({} when there is none); `Unreadable` for one that cannot be read,
+    which is not the same as none: its jobs may still be queued."""
+    path = sweep_dir / RECORD
     try:
-        record = json.loads((sweep_dir / RECORD).read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except FileNotFoundError:
         return {}
-    return record if isinstance(record, dict) else {}
+    except OSError as e:
+        raise Unreadable(f"{path} cannot be read ({e.strerror or e})") from e
+    try:
+        record = json.loads(text)
+    except ValueError as e:
+        raise Unreadable(f"{path} is not valid JSON ({e})") from e
+    if not isinstance(record, dict):
+        raise Unreadable(f"{path} does not hold a sweep's record (a JSON object)")
+    return record
 
 
 def jobs_by_num(record: dict[str, Any]) -> dict[int, dict[str, Any]]:

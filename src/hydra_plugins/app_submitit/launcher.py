@@ -172,7 +172,13 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
             sys.exit(2)
         jobs: dict[int, Any] = {}
         if self._EXECUTOR == "slurm":
-            record = _submission.read(sweep_dir)
+            try:
+                record = _submission.read(sweep_dir)
+            except _submission.Unreadable as e:
+                log.error("%s: the jobs of the earlier submission are unknown, and one still "
+                          "queued or running would be submitted again. Check squeue, then "
+                          "move the file aside to submit (nothing was submitted)", e)
+                sys.exit(2)
             for num, (job_id, state) in _submission.standing(record, overrides).items():
                 log.info("job #%d (slurm job %s) is %s from an earlier submission of this "
                          "sweep: not submitted again", num, job_id, state)
