@@ -210,8 +210,15 @@ def test_a_sweep_larger_than_max_array_size_runs_complete(tmp_path) -> None:
     limit = slurm.max_array_size()
     assert limit == 4, f"the test cluster's MaxArraySize is {limit}: run `make slurm-up`"
     sweep = tmp_path / "sweep"
-    result = submit(sweep, "optimizer.lr=0.01,0.02,0.03,0.04,0.05,0.06", *TINY,
-                    "trainer.max_epochs=1", "hydra.launcher.array_parallelism=2", timeout=600)
+    six = ["optimizer.lr=0.01,0.02,0.03,0.04,0.05,0.06", *TINY, "trainer.max_epochs=1",
+           "hydra.launcher.array_parallelism=2"]
+    dry = submit(tmp_path / "dry", *six, "hydra.launcher.dry_run=true", timeout=120)
+    scripts = dry.stdout.split("# sbatch script of jobs ")[1:]
+    assert [s.splitlines()[0] for s in scripts] == ["#0-#3 (4 job(s))", "#4-#5 (2 job(s))"]
+    # The second array waits for the first, as the real submission asks.
+    assert "--dependency" not in scripts[0]
+    assert "#SBATCH --dependency=afterany:JOB_ID_OF_JOBS_0-3" in scripts[1], dry.stdout
+    result = submit(sweep, *six, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     ids = _recorded(sweep)

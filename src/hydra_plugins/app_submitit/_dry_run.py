@@ -108,6 +108,12 @@ def chunks(nums: list[int], max_array_size: int | None) -> list[list[int]]:
     return [nums[start:start + size] for start in range(0, len(nums), size)]
 
 
+def chained(parts: list[list[int]], cap: int | None) -> bool:
+    """Whether each array waits for the one before it (afterany): when they hold more jobs
+    than array_parallelism, so that the cap holds for the whole sweep, not for each array."""
+    return len(parts) > 1 and cap is not None and sum(map(len, parts)) > cap
+
+
 def report(executor: Any, params: dict[str, Any], max_num_failures: int,
            overrides: dict[int, list[str]], run_dirs: dict[int, Path], on_slurm: bool) -> int:
     """Print the sbatch scripts, the jobs, the arithmetic and the problems found; the exit
@@ -120,7 +126,13 @@ def report(executor: Any, params: dict[str, Any], max_num_failures: int,
     nums = sorted(overrides)
     limit = slurm.max_array_size() if on_slurm else None
     parts = chunks(nums, limit)
-    for part in parts:
+    chain = chained(parts, params.get("array_parallelism"))
+    extra = dict(params.get("additional_parameters") or {})
+    for i, part in enumerate(parts):
+        if chain and i > 0:  # (the job id is Slurm's answer to the submission before)
+            executor.update_parameters(slurm_additional_parameters={
+                **extra, "dependency": f"afterany:JOB_ID_OF_JOBS_{parts[i - 1][0]}"
+                                       f"-{parts[i - 1][-1]}"})
         print(f"# sbatch script of jobs #{part[0]}-#{part[-1]} ({len(part)} job(s))"
               if len(part) > 1 else f"# sbatch script of job #{part[0]}")
         print(sbatch_script(executor, len(part)))

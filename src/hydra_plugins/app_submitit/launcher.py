@@ -217,10 +217,9 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
 
     def _submit_arrays(self, submitit: Any, executor: Any, nums: list[int],
                        overrides: dict[int, list[str]]) -> dict[int, Any]:
-        """Submit `nums` as job arrays that fit the cluster's MaxArraySize. When they hold more
-        jobs than array_parallelism, each array waits for the one before it (afterany), so
-        that the cap holds for the whole sweep and not for each array alone."""
-        from ._dry_run import chunks
+        """Submit `nums` as job arrays that fit the cluster's MaxArraySize, each waiting for
+        the one before it where the sweep's array_parallelism asks (_dry_run.chained)."""
+        from ._dry_run import chained, chunks
 
         limit = None
         if self._EXECUTOR == "slurm" and len(nums) > 1:
@@ -228,8 +227,7 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
 
             limit = max_array_size()
         parts = chunks(nums, limit)
-        cap = self.params.get("array_parallelism")
-        chain = len(parts) > 1 and cap is not None and len(nums) > cap
+        chain = chained(parts, self.params.get("array_parallelism"))
         extra = dict(self.params.get("additional_parameters") or {})
         jobs: dict[int, Any] = {}
         previous = None
