@@ -72,6 +72,25 @@ def _run_dir(tmp_path: Path, result: dict | None = None, steps: int = 0, total: 
     return run_dir
 
 
+def _checkpoints(run_dir: Path, steps: list[int], sharded: bool = False) -> None:
+    """Periodic checkpoints by name (their content is not read), last.pt naming the newest as
+    the app links it: a hard link to a file, a symbolic link to a sharded one's directory."""
+    folder = run_dir / "checkpoints"
+    folder.mkdir()
+    for step in steps:
+        path = folder / f"step-{step:08d}.pt"
+        if sharded:
+            path.mkdir()
+            (path / ".metadata").write_bytes(b"index")
+        else:
+            path.write_bytes(b"weights")
+    newest = folder / f"step-{max(steps):08d}.pt"
+    if sharded:
+        (folder / "last.pt").symlink_to(newest.name)
+    else:
+        os.link(newest, folder / "last.pt")
+
+
 @pytest.mark.parametrize(("job", "files", "expected", "said"), [
     (slurm.Job("1_0", "PENDING", "JobHeldUser"), {}, "queued", "queued (held)"),
     (slurm.Job("1_0", "PENDING", "Resources"), {}, "queued", "queued (PENDING: Resources)"),
@@ -98,6 +117,23 @@ def test_each_slurm_state_is_one_line(tmp_path, job, files, expected, said) -> N
     run_dir = _run_dir(tmp_path, files.get("result"), files.get("steps", 0),
                        attempts=files.get("attempts", 1))
     assert status.from_slurm(job, run_dir, None) == (expected, said)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_requeued_job_is_said_to_run_again_from_its_last_checkpoint(tmp_path,
+                                                                      sharded) -> None:
+    # Logged to step 7, last checkpoint at step 5: steps 6 and 7 are trained again.
+    run_dir = _run_dir(tmp_path, None, steps=7)
+    _checkpoints(run_dir, [2, 5], sharded)
+    waiting = slurm.Job("1_0", "PENDING", "BeginTime", restarts=1)
+    assert status.from_slurm(waiting, run_dir, None) == (
+        "queued", "waiting to run again from step 5 of 40 (its last checkpoint, logged to "
+                  "step 7) (PENDING: BeginTime), requeued 1 time(s)")
+    assert status.from_slurm(slurm.Job("1_0", "PREEMPTED"), run_dir, None) == (
+        "queued", "preempted at step 7 of 40, waiting to run again from step 5")
+    (run_dir / "checkpoints" / "last.pt").unlink()  # (a copy, or none: where the log ends)
+    assert status.from_slurm(waiting, run_dir, None)[1].startswith(
+        "waiting to run again at step 7 of 40")
 
 
 def test_a_job_slurm_forgot_is_read_from_its_run_directory(tmp_path) -> None:

@@ -63,6 +63,41 @@ def _where(run_dir: Path) -> str:
     return "" if done is None else f" at step {done[0]} of {done[1]}"
 
 
+STEP_NAME = re.compile(r"step-(\d+)\.pt$")  # (app.checkpoint.io.periodic_name)
+
+
+def checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the checkpoint a requeued job resumes from: the periodic checkpoint that
+    `checkpoints/last.pt` names (a hard link to its file, a symbolic link to a sharded one's
+    directory). From the names alone, no checkpoint read: None where last.pt is a copy."""
+    folder = run_dir / "checkpoints"
+    try:
+        last = (folder / "last.pt").resolve(strict=True)
+        same = last.stat()
+    except (OSError, RuntimeError):
+        return None
+    for path in folder.glob("step-*.pt"):
+        try:
+            if path.resolve() == last or os.path.samestat(path.stat(), same):
+                match = STEP_NAME.search(path.name)
+                return int(match[1]) if match else None
+        except OSError:
+            continue
+    return None
+
+
+def _again_from(run_dir: Path) -> str:
+    """Where a job that runs again starts: its last checkpoint's step (the steps logged after
+    it are trained again), else where its log ends."""
+    step = checkpoint_step(run_dir)
+    if step is None:
+        return _where(run_dir)
+    done = progress(run_dir)
+    logged = "" if done is None or done[0] == step else f", logged to step {done[0]}"
+    return f" from step {step}{'' if done is None else f' of {done[1]}'} (its last " \
+           f"checkpoint{logged})"
+
+
 def from_run_dir(run_dir: Path) -> tuple[str, str]:
     """(status, what to say) from what the run directory holds."""
     if not run_dir.is_dir():
@@ -90,13 +125,15 @@ def from_slurm(job: slurm.Job, run_dir: Path, failure: str | None) -> tuple[str,
         why = "held" if reason == "JobHeldUser" else f"PENDING: {reason}" if reason and \
             reason != "None" else "PENDING"
         if job.restarts:
-            return "queued", f"waiting to run again{_where(run_dir)} ({why}){again}"
+            return "queued", f"waiting to run again{_again_from(run_dir)} ({why}){again}"
         return "queued", f"queued ({why})"
     if state in ("RUNNING", "COMPLETING", "CONFIGURING"):
         return "running", f"running on {job.nodes or '?'}{_where(run_dir)}{again}"
     if state in ("SUSPENDED", "PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
                  "RESIZING", "STOPPED"):
-        return "queued", f"{state.lower()}{_where(run_dir)}, waiting to run again{again}"
+        said = f"{state.lower()}{_where(run_dir)}, waiting to run again"
+        step = checkpoint_step(run_dir)
+        return "queued", f"{said}{'' if step is None else f' from step {step}'}{again}"
     status, said = from_run_dir(run_dir)
     if state == "COMPLETED" and status == "completed":
         return status, said + again
