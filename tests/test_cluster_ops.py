@@ -442,3 +442,33 @@ def test_an_unreadable_submission_record_submits_nothing(tmp_path) -> None:
     assert "submission.json is not valid JSON" in said and "nothing was submitted" in said
     assert (sweep / "submission.json").read_text() == cut
     assert not (sweep / ".submitit").exists() or not job_ids(sweep)
+
+
+def test_each_job_of_a_sweep_is_composed_once_not_twice() -> None:
+    # Hydra's sweeper composes each job to check the batch, then the launcher composes it
+    # again: ComposedOnce hands the launcher the first composition (half the sweep's start).
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from app.config import register_schemas
+    from hydra_plugins.app_submitit._job import ComposedOnce
+
+    register_schemas()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        master = compose("config", return_hydra_config=True)
+        loader = GlobalHydra.instance().config_loader()
+        calls = []
+
+        def load(master_config, sweep_overrides):
+            calls.append(list(sweep_overrides))
+            return loader.load_sweep_config(master_config, sweep_overrides)
+
+        once = ComposedOnce(load)
+        batch = [[f"seed={i}"] for i in range(3)]
+        for overrides in batch:  # the sweeper's check
+            once(master, overrides)
+        composed = [once(master, overrides) for overrides in batch]  # the launcher's
+        assert calls == batch and [c.seed for c in composed] == [0, 1, 2]
+        assert once(master, ["seed=0"]) is not composed[0]  # handed out once only
+        once.forget()
+        assert not once.kept and len(calls) == 4

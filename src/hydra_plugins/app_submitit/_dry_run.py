@@ -7,6 +7,7 @@ has). The module name starts with "_": Hydra's plugin scan skips it.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ def arithmetic(params: dict[str, Any], num_jobs: int, arrays: list[int],
     # (Slurm reads --mem=0 as all of a node's memory)
     memory = "the partition default" if mem is None else "all of a node" if mem == 0 else \
         f"{mem} GB"
+    sizes = ", ".join(f"{n} of {size}" for size, n in sorted(Counter(arrays).items(),
+                                                            reverse=True))
     lines = [
         f"each job: {nodes} node(s) x {tasks} task(s) = {nodes * tasks} rank(s); per node "
         f"{gpus} GPU(s), {cpus} CPU(s) ({params.get('cpus_per_task') or 1} per task), "
@@ -30,8 +33,8 @@ def arithmetic(params: dict[str, Any], num_jobs: int, arrays: list[int],
         f"time limit {params['timeout_min']} min per run; requeued up to "
         f"{params.get('max_num_timeout', 0)} time(s) at the limit and up to {max_num_failures} "
         f"time(s) after a fault (it resumes)",
-        f"{num_jobs} job(s) in {len(arrays)} submission(s) of {', '.join(map(str, arrays))} "
-        f"job(s), at most {params.get('array_parallelism', num_jobs)} running at once",
+        f"{num_jobs} job(s) in {len(arrays)} submission(s) ({sizes} job(s)), at most "
+        f"{params.get('array_parallelism', num_jobs)} running at once",
     ]
     return lines
 

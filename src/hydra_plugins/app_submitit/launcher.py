@@ -82,9 +82,11 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         logging.getLogger("submitit").handlers.clear()
         if not self.wait:
             self._refuse_sweepers_that_need_results()
-        self.composed = {initial_job_idx + i: self._compose_and_validate(list(o),
-                                                                           initial_job_idx + i)
-                         for i, o in enumerate(job_overrides)}
+        try:
+            self.composed = {initial_job_idx + i: self._compose_and_validate(
+                list(o), initial_job_idx + i) for i, o in enumerate(job_overrides)}
+        finally:
+            self._forget_composed()
         nums = sorted(self.composed)
         overrides = {num: list(o) for num, o in zip(nums, job_overrides, strict=True)}
         executor = self._executor(submitit)
