@@ -50,6 +50,8 @@ def test_exit_status_comes_with_the_class() -> None:
     assert (stop.exit_code, stop.signum, isinstance(stop, AppError)) == (143, signal.SIGTERM,
                                                                          True)
     assert (AppError().exit_code, UserError().exit_code, WorkerFailed().exit_code) == (1, 2, 1)
+    # A worker's failure takes the status of its cause only when that was bad input (2).
+    assert [WorkerFailed("rank 1 failed", code).exit_code for code in (2, 1, 143)] == [2, 1, 1]
     assert issubclass(errors.RunDirInUse, UserError)
 
 

@@ -39,7 +39,7 @@ class WorkerFailed(AppError):
     status is the cause's when that was a user's mistake (2): a script that tells bad input
     from a failure sees the same status with devices=2 as with one process."""
 
-    def __init__(self, message: str, cause_exit_code: int = 1) -> None:
+    def __init__(self, message: str = "", cause_exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = UserError.exit_code if cause_exit_code == UserError.exit_code else 1
 
