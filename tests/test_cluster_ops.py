@@ -472,3 +472,15 @@ def test_each_job_of_a_sweep_is_composed_once_not_twice() -> None:
         assert once(master, ["seed=0"]) is not composed[0]  # handed out once only
         once.forget()
         assert not once.kept and len(calls) == 4
+
+
+@on_the_cluster
+def test_a_submission_sbatch_refuses_is_one_line_with_sbatchs_words(tmp_path) -> None:
+    refused = submit(tmp_path / "sweep", "hydra.launcher.partition=gpu",
+                     "hydra.launcher.wait=false", *TINY, timeout=120)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode == 1, said[-3000:]
+    assert "slurm refused the submission: invalid partition specified: gpu; Batch job " \
+           "submission failed: Invalid partition name specified" in said, said[-3000:]
+    # (sbatch's own lines came through before ours: told once, in our line)
+    assert "sbatch: error" not in said and "Traceback" not in said

@@ -62,6 +62,31 @@ def _sigterm_as_interrupt(active: bool) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _sbatch_stderr(active: bool) -> Iterator[list[str]]:
+    """What sbatch writes on stderr (submitit lets it through, before our line about the same
+    refusal): kept, for that line to tell, and written out after a submission that went
+    through. Slurm only: a local job would inherit the captured stderr for its whole life."""
+    said: list[str] = []
+    if not active:
+        yield said
+        return
+    import os
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield said
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            said.extend(sink.read().decode(errors="replace").splitlines())
+
+
 class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
     def __init__(self, **params: Any) -> None:
         # app's own options, not submitit's (they must not reach its executor).
@@ -237,13 +262,21 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
             if chain and previous is not None:
                 executor.update_parameters(slurm_additional_parameters={
                     **extra, "dependency": f"afterany:{previous}"})
-            try:
-                submitted = executor.map_array(
-                    self, [overrides[n] for n in part], ["hydra.sweep.dir"] * len(part), part,
-                    [f"job_id_for_{n}" for n in part], [Singleton.get_state()] * len(part))
-            except (submitit.core.utils.FailedJobError,
-                    submitit.core.utils.FailedSubmissionError) as e:
-                self._refused_submission(e, jobs)
+            with _sbatch_stderr(self._EXECUTOR == "slurm") as said:
+                try:
+                    submitted = executor.map_array(
+                        self, [overrides[n] for n in part], ["hydra.sweep.dir"] * len(part),
+                        part, [f"job_id_for_{n}" for n in part],
+                        [Singleton.get_state()] * len(part))
+                except (submitit.core.utils.FailedJobError,
+                        submitit.core.utils.FailedSubmissionError) as e:
+                    refused = e
+                else:
+                    refused = None
+            if refused is not None:
+                self._refused_submission(refused, jobs, said)
+            for line in said:  # (sbatch's warnings on a submission it took)
+                print(line, file=sys.stderr)
             jobs.update(zip(part, submitted, strict=True))
             previous = submitted[0].job_id.split("_")[0]
             if len(parts) > 1:
@@ -252,12 +285,17 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
             executor.update_parameters(slurm_additional_parameters=extra)
         return jobs
 
-    def _refused_submission(self, e: Exception, submitted: dict[int, Any]) -> None:
-        """sbatch refused the job (a partition that does not exist, a limit): its own words,
-        in one line, instead of submitit's traceback."""
+    def _refused_submission(self, e: Exception, submitted: dict[int, Any],
+                            stderr: list[str]) -> None:
+        """sbatch refused the job (a partition that does not exist, a limit): its own words
+        (each of its error lines once, from its stderr and submitit's error), in one line,
+        instead of submitit's traceback and sbatch's lines."""
         text = str(e)
-        said = [line.strip() for line in text.splitlines() if "sbatch: error" in line]
-        reason = said[-1] if said else (text.strip().splitlines() or [type(e).__name__])[0]
+        said = list(dict.fromkeys(
+            line.strip().removeprefix("sbatch: error:").strip()
+            for line in [*stderr, *text.splitlines()] if "sbatch: error" in line))
+        reason = "; ".join(said) if said else \
+            (text.strip().splitlines() or [type(e).__name__])[0]
         more = "" if not submitted else (
             f"; jobs submitted before it go on: {', '.join(j.job_id for j in submitted.values())}")
         log.error("%s refused the submission: %s (check it first with "
