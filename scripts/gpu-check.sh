@@ -35,5 +35,8 @@ check python3 -m app hydra.run.dir="$out/resnet" accelerator=cuda accelerator_st
   model=resnet data=synthetic data.input_shape=[3,32,32] data.num_samples=2048 \
   trainer.max_epochs=2 precision=bf16-mixed compile=true trainer.progress_bar=false
 grep -h "eval of\|exported\|predicted\|done:" "$out"/*/train.log 2>/dev/null | cut -c1-220
+# The step ratio against a plain loop, and where the app's step goes (a table each; the
+# numbers go to docs/development.md by hand: nothing here asserts a time).
+check bash -c "cd bench && python3 gpu_steps.py cuda"
 echo "gpu-check: $([ $failed = 0 ] && echo all passed || echo some FAILED)"
 exit $failed
