@@ -464,14 +464,19 @@ def test_each_job_of_a_sweep_is_composed_once_not_twice() -> None:
             return loader.load_sweep_config(master_config, sweep_overrides)
 
         once = ComposedOnce(load)
-        batch = [[f"seed={i}"] for i in range(3)]
+        # Jobs 1 and 2 have the same overrides: each gets a config of its own.
+        batch = [["seed=0"], ["seed=1"], ["seed=1"]]
         for overrides in batch:  # the sweeper's check
             once(master, overrides)
-        composed = [once(master, overrides) for overrides in batch]  # the launcher's
-        assert calls == batch and [c.seed for c in composed] == [0, 1, 2]
-        assert once(master, ["seed=0"]) is not composed[0]  # handed out once only
+        composed = [once.take(master, overrides) for overrides in batch]  # the launcher's
+        assert calls == batch and [c.seed for c in composed] == [0, 1, 1]
+        assert len({id(c) for c in composed}) == 3
+        # Without the sweeper's check (or once taken), each take composes anew.
+        again = [once.take(master, ["seed=2"]) for _ in range(2)]
+        assert again[0] is not again[1] and len(calls) == 5
+        once(master, ["seed=3"])
         once.forget()
-        assert not once.kept and len(calls) == 4
+        assert not once.kept
 
 
 @on_the_cluster

@@ -51,6 +51,19 @@ def test_grid_sweep_summary_agrees_with_each_job(tmp_path) -> None:
     assert _summary(sweep) == rows
 
 
+def test_jobs_with_the_same_overrides_each_run_in_their_own_directory(tmp_path) -> None:
+    # (The launcher once took the first job's composed config for the second: one directory,
+    # the second job refused as RunDirInUse, and the sweep said it completed.)
+    proc, jobs = multirun(tmp_path, "hydra/launcher=submitit_local", "seed=1,1", *TINY,
+                          "trainer.max_steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [j["num"] for j in jobs] == [0, 1]
+    for num in (0, 1):
+        hydra_cfg = OmegaConf.load(tmp_path / "sweep" / str(num) / ".hydra" / "hydra.yaml")
+        assert hydra_cfg.hydra.job.num == num
+    assert [r["status"] for r in _summary(tmp_path / "sweep")] == ["completed", "completed"]
+
+
 def test_failed_job_is_listed_and_the_sweep_goes_on(tmp_path) -> None:
     proc, jobs = multirun(tmp_path, "model._target_=faults.FaultyCNN", "+model.fault=raise,none",
                           "+model.fault_rank=0", *TINY, "trainer.max_epochs=1")

@@ -31,19 +31,23 @@ class ComposedOnce:
     """Hydra's sweepers compose each job's config to check the batch, and throw it away; the
     launcher then composes the same overrides again (some 0.1-0.2 s a job: minutes before a
     sweep of a thousand jobs is submitted). Wrapped around the config loader's
-    `load_sweep_config`, the second composition of the same overrides takes the first's
-    result. `forget` after each batch: a config handed out is not handed out again after it."""
+    `load_sweep_config`, it keeps what the sweeper's check composed, and `take` hands each
+    of those to the launcher once: jobs with the same overrides get one each, in order; with
+    none kept (a sweeper that does not check), `take` composes. `forget` after each batch."""
 
     def __init__(self, load: Any) -> None:
         self.load, self.kept = load, {}
 
     def __call__(self, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
-        key = (id(master_config), tuple(sweep_overrides))
-        if key in self.kept:
-            return self.kept.pop(key)
         config = self.load(master_config=master_config, sweep_overrides=sweep_overrides)
-        self.kept[key] = config
+        self.kept.setdefault((id(master_config), tuple(sweep_overrides)), []).append(config)
         return config
+
+    def take(self, master_config: DictConfig, overrides: list[str]) -> DictConfig:
+        kept = self.kept.get((id(master_config), tuple(overrides)))
+        if kept:
+            return kept.pop(0)
+        return self.load(master_config=master_config, sweep_overrides=overrides)
 
     def forget(self) -> None:
         self.kept.clear()
@@ -73,7 +77,9 @@ class JobSide:
         from app.from_run import apply_run
 
         assert self.hydra_context is not None and self.config is not None
-        config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        load = self.hydra_context.config_loader.load_sweep_config
+        config = load.take(self.config, overrides) if isinstance(load, ComposedOnce) else \
+            load(self.config, overrides)
         with read_write(config.hydra), open_dict(config.hydra):
             config.hydra.job.num = job_num
             # Fixed strings: the job must not re-derive its directory (from the clock, say).
