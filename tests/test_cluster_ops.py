@@ -414,33 +414,45 @@ def test_a_sweep_of_other_values_into_a_used_sweep_directory_submits_nothing(tmp
         _scancel(sweep)
 
 
-def test_an_unreadable_submission_record_is_named_by_status(tmp_path, capsys) -> None:
+UNREADABLE_RECORDS = [
+    (b'{"jobs": [{"num": 0, "job_id": "12', "is not valid JSON"),  # cut short
+    (b"\xff\xfe{", "is not valid JSON"),  # not text
+    (b'{"launcher": "slurm", "jobs": 5}', "'jobs' is not a list"),
+    (b'{"launcher": "slurm", "jobs": [{"num": 0}]}', "job entry 0 has no str 'job_id'"),
+    (b'{"jobs": [{"num": "0", "job_id": "1", "overrides": [], "run_dir": "x"}]}',
+     "job entry 0 has no int 'num'"),
+]
+
+
+@pytest.mark.parametrize("content,words", UNREADABLE_RECORDS)
+def test_an_unreadable_submission_record_is_named_by_status(tmp_path, capsys, content,
+                                                            words) -> None:
     sweep = tmp_path / "sweep"
     job = _run_dir(tmp_path, {"status": "completed", "wall_s": 1.0}, steps=3)
     (job / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=0.1\n")
     sweep.mkdir()
     job.rename(sweep / "0")
-    (sweep / "submission.json").write_text('{"jobs": [{"num": 0, "job_id": "12')  # cut short
+    (sweep / "submission.json").write_bytes(content)
     assert status.main([str(sweep)]) == 0
     said = capsys.readouterr()
-    assert "submission.json is not valid JSON" in said.err
+    assert words in said.err, said.err
     assert "the jobs are read from their run directories" in said.err
     assert "job #0: completed" in said.out
 
 
 @on_the_cluster
-def test_an_unreadable_submission_record_submits_nothing(tmp_path) -> None:
+@pytest.mark.parametrize("content,words", [UNREADABLE_RECORDS[0], UNREADABLE_RECORDS[3]])
+def test_an_unreadable_submission_record_submits_nothing(tmp_path, content, words) -> None:
     # Read as "no earlier submission", it would submit again jobs still queued from it.
     sweep = tmp_path / "sweep"
     sweep.mkdir()
-    cut = '{"launcher": "slurm", "jobs": [{"num": 0, "job_id": "4'
-    (sweep / "submission.json").write_text(cut)
+    (sweep / "submission.json").write_bytes(content)
     again = submit(sweep, "hydra.launcher.wait=false", "optimizer.lr=0.01,0.003", *TINY,
                    timeout=120)
     said = again.stdout + again.stderr
     assert again.returncode == 2, said[-3000:]
-    assert "submission.json is not valid JSON" in said and "nothing was submitted" in said
-    assert (sweep / "submission.json").read_text() == cut
+    assert words in said and "nothing was submitted" in said and "Traceback" not in said
+    assert (sweep / "submission.json").read_bytes() == content
     assert not (sweep / ".submitit").exists() or not job_ids(sweep)
 
 

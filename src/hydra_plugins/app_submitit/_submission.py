@@ -31,23 +31,42 @@ def read(sweep_dir: Path) -> dict[str, Any]:
     which is not the same as none: its jobs may still be queued."""
     path = sweep_dir / RECORD
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         return {}
     except OSError as e:
         raise Unreadable(f"{path} cannot be read ({e.strerror or e})") from e
     try:
-        record = json.loads(text)
+        record = json.loads(data)  # (bytes: JSON's own encodings, and a ValueError if none)
     except ValueError as e:
         raise Unreadable(f"{path} is not valid JSON ({e})") from e
-    if not isinstance(record, dict):
-        raise Unreadable(f"{path} does not hold a sweep's record (a JSON object)")
+    problem = _shape_problem(record)
+    if problem:
+        raise Unreadable(f"{path} does not hold a sweep's record ({problem})")
     return record
 
 
+# What each job of the record must have, as the launcher writes it (`write`).
+_JOB_KEYS = {"num": int, "job_id": str, "overrides": list, "run_dir": str}
+
+
+def _shape_problem(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    jobs = record.get("jobs", [])
+    if not isinstance(jobs, list):
+        return "'jobs' is not a list"
+    for i, job in enumerate(jobs):
+        if not isinstance(job, dict):
+            return f"job entry {i} is not an object"
+        for key, kind in _JOB_KEYS.items():
+            if not isinstance(job.get(key), kind) or isinstance(job.get(key), bool):
+                return f"job entry {i} has no {kind.__name__} '{key}'"
+    return None
+
+
 def jobs_by_num(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    return {int(j["num"]): j for j in record.get("jobs", []) if isinstance(j, dict)
-            and str(j.get("num", "")).isdigit()}
+    return {job["num"]: job for job in record.get("jobs", [])}  # (its shape: `read`)
 
 
 def standing(record: dict[str, Any], overrides: dict[int, list[str]]) -> dict[int, tuple[str, str]]:
