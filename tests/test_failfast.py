@@ -110,6 +110,21 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_is_exact(tmp_path) -> No
     assert read_metrics(run_dir) == read_metrics(reference)
 
 
+def test_sigterm_to_one_worker_is_a_stop_with_a_checkpoint_not_a_failure(tmp_path) -> None:
+    # (A cluster agent or a user may signal one process of the job, not its launcher.)
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, *TINY, "devices=2", "trainer.max_epochs=400")
+    wait_for_rows(run_dir, 10)
+    os.kill(_pid_of_rank(run_dir, 1), signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    stopped_at = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
+    assert f"stopped by SIGTERM sent to a worker; the workers saved a checkpoint at step " \
+           f"{stopped_at}" in output, output[-3000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "interrupted"
+
+
 def test_ctrl_c_stops_every_process_with_a_checkpoint(tmp_path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(

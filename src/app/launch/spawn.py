@@ -303,6 +303,12 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
             sig = signals.received[0]
             raise Interrupted(_stop_message(sig, cfg, killed, reports, devices, run_dir,
                                             base_rank), sig)
+        stopped = [r for r in reports if r.get("stopped")]
+        if len(stopped) == devices and not killed:  # a worker was sent the signal, not us
+            sig = signal.Signals(stopped[0]["exit_code"] - 128)
+            said = _stop_message(sig, cfg, killed, reports, devices, run_dir, base_rank)
+            raise Interrupted(said.replace(f"stopped by {sig.name}",
+                                           f"stopped by {sig.name} sent to a worker", 1), sig)
         # A stalled rank (which the watchdog names, and which is then killed) is not a
         # machine's fault: only a death by a signal of its own is retried.
         machine_fault = _killed_by_signal(procs, killed) is not None and not any(
