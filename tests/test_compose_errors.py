@@ -206,3 +206,34 @@ def test_hydras_own_job_logging_options_replace_the_apps(tmp_path) -> None:
     assert "Traceback" not in result.output and "done: step 2" not in result.output, result.output
     assert not (tmp_path / "run" / "train.log").exists()
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["model=null"], "model=null: model is a config group: give the name of one of its "
+                     "options (model=NAME)"),
+    (["seed=1", "=3"], "=3: no key before '='; write KEY=VALUE"),
+    (["model="], "model=: no option given (options: cnn, mlp, resnet, timm, torchvision)"),
+    (["model=cnn,mlp"], "model=cnn,mlp: a comma makes a sweep, which needs --multirun (-m); "
+                        "a list is KEY=[A,B], a string with a comma is quoted: KEY='A,B'"),
+    (["~trainer.ema"], "~trainer.ema: the keys of trainer cannot be removed (a typed "
+                       "section); set it instead: trainer.ema=VALUE"),
+    (["~trainer.max_steps"], "~trainer.max_steps: no such key, or its value is null already "
+                             "(Hydra removes only keys that hold a value); to change it, write "
+                             "trainer.max_steps=VALUE"),
+    (["~"], "~: give the key or group to remove (~KEY)"),
+])
+def test_an_override_hydra_cannot_apply_is_one_line(monkeypatch, argv: list[str],
+                                                    line: str) -> None:
+    monkeypatch.setattr("sys.argv", ["app", *argv])  # (where the override is found)
+    with pytest.raises(Exception) as err:
+        make_config(*argv)
+    assert explain(err.value) == line
+
+
+def test_a_misspelt_key_in_a_config_file_names_the_file_and_the_nearest_key(tmp_path) -> None:
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ntrainer:\n  max_stepz: 3\n")
+    error = _composition_error(f"hydra.searchpath=[file://{tmp_path}]", "+experiment=mine")
+    assert explain(error) == ("experiment/mine: trainer.max_stepz: no such key; did you mean "
+                              "trainer.max_steps?")

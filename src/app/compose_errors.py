@@ -30,7 +30,7 @@ from hydra.errors import (
     OverrideParseException,
 )
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError, ValidationError
 
 from app._private import hydra_entry_utils
 from app.config import renamed
@@ -138,7 +138,7 @@ def option_line(e: MissingConfigException) -> str | None:
     """`GROUP=NAME: no such option; did you mean ...? (options: ...)` for an unknown option of
     a config group, which Hydra reports with the whole config search path."""
     text = str(e)
-    match = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    match = re.search(r"Could not find '([^']+)/([^'/]*)'", text)
     if not match:
         return None
     group, name = match[1], match[2]
@@ -152,6 +152,8 @@ def option_line(e: MissingConfigException) -> str | None:
     hint = f"; did you mean {group}={near[0]}?" if near else ""
     known = f"options: {', '.join(options)}" if options else \
         f"the group {group} has no options here; is it on hydra.searchpath?"
+    if not name:
+        return f"{where}{group}=: no option given ({known})"
     return f"{where}{group}={name}: no such option{hint} ({known})"
 
 
@@ -180,6 +182,47 @@ def parse_line(e: OverrideParseException) -> str:
     return (f"{override + ': ' if override else ''}not a valid override ({reason}); write "
             f"KEY=VALUE, +KEY=VALUE to add a key, ~KEY to remove one, and quote values with "
             f"spaces or brackets (https://hydra.cc/docs/advanced/override_grammar/basic/)")
+
+
+def override_line(e: Exception) -> str | None:
+    """One line for what Hydra says of an override it parsed but cannot apply: a comma value
+    without --multirun, a key it cannot remove, a group given no option name."""
+    text = str(e)
+    if match := re.match(r"Ambiguous value for argument '(.*)'", text):
+        return (f"{match[1]}: a comma makes a sweep, which needs --multirun (-m); a list is "
+                f"KEY=[A,B], a string with a comma is quoted: KEY='A,B'")
+    if match := re.match(r"Could not delete from config\. '(.*)' does not exist", text):
+        return (f"~{match[1]}: no such key, or its value is null already (Hydra removes only "
+                f"keys that hold a value); to change it, write {match[1]}=VALUE")
+    if re.match(r"Could not delete ''", text):
+        return "~: give the key or group to remove (~KEY)"
+    if re.match(r"Config group override must be a string or a list", text):
+        argument, group = _group_given_no_name(sys.argv[1:])
+        if group:
+            return (f"{argument}: {group} is a config group: give the name of one of its "
+                    f"options ({group}=NAME)")
+        return f"{argument or 'an override'}: no key before '='; write KEY=VALUE"
+    return None
+
+
+def _group_given_no_name(arguments: list[str]) -> tuple[str | None, str]:
+    """The override that gives a config group something other than an option's name (or
+    has no key), and the group."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from app.conf_dir import config_dir
+
+    groups = {p.name for p in config_dir().iterdir() if p.is_dir()}
+    parser = OverridesParser.create()
+    for argument in (a for a in arguments if not a.startswith("-")):
+        try:
+            override = parser.parse_override(argument)
+        except HydraException:
+            continue
+        if not override.key_or_group or (override.key_or_group in groups and not isinstance(
+                override.value(), str | list)):
+            return argument, override.key_or_group
+    return None, ""
 
 
 def _raised_by_the_job(e: BaseException) -> bool:
@@ -216,6 +259,13 @@ def explain(e: BaseException) -> str | None:
     cause = e.__cause__
     if isinstance(e, ConfigCompositionException) and isinstance(cause, ValidationError):
         return choice_line(cause) or type_line(cause)
+    if isinstance(e, ConfigCompositionException) and isinstance(cause, ConfigTypeError) and \
+            "does not support deletion" in str(cause) and (key := cause.full_key):
+        section = key.rpartition(".")[0] or "the config"
+        return (f"~{key}: the keys of {section} cannot be removed (a typed section); set it "
+                f"instead: {key}=VALUE")
+    if isinstance(e, ConfigCompositionException | ValueError) and (line := override_line(e)):
+        return line
     if isinstance(e, ConfigCompositionException) and isinstance(
             cause, ConfigKeyError | ConfigAttributeError):
         match = re.match(r"Could not override '([^']+)'", str(e))
@@ -226,7 +276,8 @@ def explain(e: BaseException) -> str | None:
     source = re.match(r"In '([^']+)': ", str(e))
     merged = e.__context__  # a config file's key or value (Hydra raises without `from`)
     if isinstance(e, ConfigCompositionException) and source:
-        if isinstance(merged, ConfigKeyError) and (line := renamed(merged.full_key or "")):
+        if isinstance(merged, ConfigKeyError) and (line := renamed(merged.full_key or "") or (
+                merged.full_key and missing_key_line(merged.full_key, None, merged))):
             return f"{source[1]}: {line}"
         if isinstance(merged, ValidationError) and (
                 line := choice_line(merged) or type_line(merged)):
