@@ -125,6 +125,25 @@ def test_sigterm_to_one_worker_is_a_stop_with_a_checkpoint_not_a_failure(tmp_pat
     assert result["status"] == "interrupted"
 
 
+def test_sigterm_before_training_records_the_run_as_interrupted(tmp_path) -> None:
+    # (It ended the process at once: no line, no result.json; app.status said "killed?".)
+    run_dir, marker = tmp_path / "run", tmp_path / "building"
+    proc = _start(run_dir, *TINY, "data._target_=faults.SlowDigits", "+data.setup_s=60",
+                  f"+data.marker={marker}")
+    for _ in range(600):
+        if marker.exists() or proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "stopped by SIGTERM" in output and "Traceback" not in output
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
+    again = _start(run_dir, *TINY, "trainer.max_steps=2")  # the run's lock is free
+    output, _ = again.communicate(timeout=120)
+    assert again.returncode == 0, output[-3000:]
+
+
 def test_ctrl_c_stops_every_process_with_a_checkpoint(tmp_path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(

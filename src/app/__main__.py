@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,11 +47,24 @@ except UserError as e:  # (MPI variables without MASTER_ADDR): one line, before 
 explain_composition_errors()  # a broken YAML file, a misspelt key: one line, not Hydra's report
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM before the loop or the launcher of the workers takes it (they stop at a step
+    with a checkpoint): ended as Ctrl-C is, with the run's record and its lock released."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     started = time.monotonic()
     env = this_process()
+    # (Not in a job of a job system, whose own SIGTERM handling is left as it is.)
+    if not env.is_rank and "SUBMITIT_EXECUTOR" not in os.environ and \
+            threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     # One process owns the run, holds its lock and records how it ended: machine 0's launcher
     # (the other machines of a nodes=N run share its directory), or rank 0 of a
     # torchrun/SLURM job.
@@ -95,9 +109,10 @@ def main(dict_cfg: DictConfig) -> float | None:
             else:
                 log.exception("the job failed")
             return math.nan
-        if isinstance(e, KeyboardInterrupt):  # Ctrl-C before the workers or the loop took it
-            log.error("stopped by SIGINT (Ctrl-C)")
-            sys.exit(128 + signal.SIGINT)
+        if isinstance(e, KeyboardInterrupt):  # before the workers or the loop took it
+            sig = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
+            log.error("stopped by %s", "SIGTERM" if sig == signal.SIGTERM else "SIGINT (Ctrl-C)")
+            sys.exit(128 + sig)
         if not isinstance(e, AppError):
             raise
         log.error("%s", e)

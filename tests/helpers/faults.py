@@ -84,3 +84,13 @@ class FaultyDigits(Digits):
     def __init__(self, fault: str, fault_index: int = 7, **kwargs) -> None:
         super().__init__(**kwargs)
         self.train = _FaultyItems(self.train, fault, fault_index)
+
+
+class SlowDigits(Digits):
+    """Digits that take `setup_s` seconds to build, after touching `marker`: a window before
+    training to signal the process in."""
+
+    def __init__(self, setup_s: float, marker: str, **kwargs) -> None:
+        open(marker, "w").close()
+        time.sleep(setup_s)
+        super().__init__(**kwargs)
