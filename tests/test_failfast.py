@@ -67,6 +67,17 @@ def test_a_user_error_on_one_rank_exits_2_as_it_does_with_one_process(tmp_path) 
     assert result["status"] == "failed" and "UserError: injected bad input" in result["error"]
 
 
+def test_a_failure_of_rank_0_leaves_no_store_warnings_on_the_console(tmp_path) -> None:
+    # Rank 0 serves the store: the other rank's watchdog kept calling it once it was gone,
+    # and each call printed a C++ warning with its stack (some 15 lines a second).
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, *FAULTY, "+model.fault=user_error", "+model.fault_rank=0")
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, output[-3000:]
+    assert "rank 0 failed: UserError: injected bad input" in output, output[-3000:]
+    assert "TCPStore" not in output and "frame #" not in output, output[-3000:]
+
+
 @pytest.mark.parametrize("fault,words", [
     ("kill", ["rank 1 (pid", "killed by SIGKILL"]),
     ("hang", ["distributed.timeout_s=5", "rank(s) 1 did not exit"]),

@@ -252,6 +252,8 @@ class Watchdog:
             stopping = self.stop_event.is_set()
             if stopping and leave_by is None:
                 leave_by = time.monotonic() + 2 * self.interval + 1
+            if self._server_gone():
+                return  # (its launcher, or its agent, ends the job: nothing to judge here)
             try:
                 client.set(keys[self.rank], self._record(beat))
                 if self.proposal is not None and self.verdict is None:
@@ -277,6 +279,15 @@ class Watchdog:
                 return
             beat += 1
             self.stop_event.wait(self.interval)
+
+    def _server_gone(self) -> bool:
+        """Whether the rank that serves the store has ended (one of this host, by its pid): a
+        store call to a server that is gone prints a C++ warning with its stack, each time."""
+        if self.store_rank is None:
+            return False
+        server = self.peers[self.store_rank]
+        return server.rank != self.rank and server.pid is not None and \
+            server.host == self.host and not running(server.pid)
 
     # -- the judge thread
 
