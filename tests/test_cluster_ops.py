@@ -501,3 +501,17 @@ def test_a_submission_sbatch_refuses_is_one_line_with_sbatchs_words(tmp_path) ->
            "submission failed: Invalid partition name specified" in said, said[-3000:]
     # (sbatch's own lines came through before ours: told once, in our line)
     assert "sbatch: error" not in said and "Traceback" not in said
+
+
+def test_status_lists_the_jobs_of_a_sweep_by_number(tmp_path, capsys) -> None:
+    # (The sweep's summary ranks them best first; status goes by number, as submitted.)
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    for num, steps in ((0, 2), (1, 5), (2, 3)):  # job 1 is the best (val/acc 0.5)
+        job = _run_dir(tmp_path / f"made{num}", {"status": "completed", "wall_s": 1.0},
+                       steps=steps)
+        (job / ".hydra" / "overrides.yaml").write_text(f"- seed={num}\n")
+        job.rename(sweep / str(num))
+    assert status.main([str(sweep)]) == 0
+    jobs = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()[:3]]
+    assert jobs == ["job #0", "job #1", "job #2"]

@@ -183,9 +183,10 @@ def sweep_lines(sweep_dir: Path) -> list[tuple[str, str]]:
         record = {}
     recorded = jobs_by_num(record)
     if not recorded:  # a sweep that was waited for, or run locally: its run directories
+        jobs = sorted(collect(sweep_dir), key=lambda j: (  # (by number, not best first)
+            not j["job"].isdigit(), int(j["job"]) if j["job"].isdigit() else 0, j["job"]))
         return [(s, f"job #{job['job']}: {said} [{job['overrides']}]")
-                for job in collect(sweep_dir)
-                for s, said in [from_run_dir(Path(job["run_dir"]))]]
+                for job in jobs for s, said in [from_run_dir(Path(job["run_dir"]))]]
     known = slurm.states([job["job_id"] for job in recorded.values()]) or {}
     lines = []
     for num, job in sorted(recorded.items()):
