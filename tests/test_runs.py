@@ -97,7 +97,8 @@ def test_what_is_not_there_is_one_line_and_exit_2(capsys, argv, words) -> None:
 
 @pytest.mark.parametrize("command", [["runs", "show"], ["status"], ["report"]])
 @pytest.mark.parametrize("where,words", [("/nonexistent", "/nonexistent: no such folder"),
-                                         ("/etc/hostname", "/etc/hostname: not a folder")])
+                                         ("/etc/hostname", "/etc/hostname: not a folder"),
+                                         ("", "an empty path: give the folder")])
 def test_the_reading_commands_name_a_missing_folder_as_missing(capsys, command, where,
                                                               words) -> None:
     # (Not "neither a sweep nor a run directory", as for a folder of the wrong kind.)

@@ -23,6 +23,8 @@ def folder_arg(text: str) -> Path:
     app.runs) take: a missing one is named as such, not as a folder of the wrong kind."""
     import argparse
 
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: give the folder")
     path = Path(text).expanduser()
     if not path.is_dir():
         raise argparse.ArgumentTypeError(
