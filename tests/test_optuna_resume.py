@@ -71,3 +71,19 @@ def test_an_interrupted_optuna_sweep_resumes_to_its_total(tmp_path) -> None:
     assert len({str([o for o in found if o.startswith("optimizer.lr=")]) for found in lrs}) \
         == TRIALS  # no trial repeated another's learning rate
     assert (sweep / "optimization_results.yaml").is_file()
+
+
+def test_a_study_without_a_name_runs_and_resumes(tmp_path) -> None:
+    # (Optuna drew a random name; the end of the sweep could not find the study: a traceback.)
+    sweep = tmp_path / "sweep"
+    base = [sys.executable, "-m", "app", "-m", "hparams_search=digits_optuna",
+            f"hydra.sweep.dir={sweep}", "hydra.sweeper.study_name=null", "trainer.max_steps=2",
+            "model.channels=[8,16]", "trainer.progress_bar=false"]
+    first = subprocess.run([*base, "hydra.sweeper.n_trials=2"], cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    again = subprocess.run([*base, "hydra.sweeper.n_trials=3"], cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+    said = again.stdout + again.stderr
+    assert again.returncode == 0, said[-3000:]
+    assert "2 of 3 trials completed; 1 to go" in said

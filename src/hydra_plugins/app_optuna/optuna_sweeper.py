@@ -70,6 +70,11 @@ def resume(impl: Any) -> Path | None:
 
     sweep_dir = Path(str(impl.config.hydra.sweep.dir)).resolve()
     path: Path | None = None
+    if impl.study_name is None:
+        # Optuna would draw a random name, under which the same command could not find the
+        # study again (and a study of its own in the storage could not be told apart).
+        impl.study_name = f"{sweep_dir.parent.name}/{sweep_dir.name}"
+        log.info("hydra.sweeper.study_name is null: the study is named %s", impl.study_name)
     if impl.storage is not None:  # the user's database
         try:
             done = optuna.load_study(study_name=impl.study_name, storage=impl.storage).trials
