@@ -225,6 +225,12 @@ def test_a_dry_run_prints_the_request_and_submits_nothing(tmp_path) -> None:
     assert "each job: 1 node(s) x 1 task(s) = 1 rank(s); per node 0 GPU(s), 1 CPU(s)" in \
         fits.stdout
     assert "dry run: nothing was submitted; 0 problem(s) found" in fits.stdout
+    assert "at a time" not in fits.stdout
+    batched = submit(sweep, "hydra.launcher.dry_run=true", "optimizer.lr=0.1,0.01", *TINY,
+                     "hydra.sweeper.max_batch_size=1", timeout=120)
+    assert batched.returncode == 0 and "job #1" not in batched.stdout
+    assert "(the sweeper gives the launcher 1 job(s) at a time, hydra.sweeper.max_batch_size: " \
+        "this dry run is of the first batch)" in batched.stdout
     refused = submit(sweep, "hydra.launcher.dry_run=true", "hydra.launcher.partition=gpu",
                      "nodes=3", "hydra.launcher.cpus_per_task=64", *TINY, timeout=120)
     assert refused.returncode == 2

@@ -329,8 +329,13 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         fits, 2 if not) without submitting."""
         from ._dry_run import report
 
-        sys.exit(report(executor, self.params, self.max_num_failures, overrides,
-                        {num: self._run_dir(num) for num in nums}, self._EXECUTOR == "slurm"))
+        code = report(executor, self.params, self.max_num_failures, overrides,
+                      {num: self._run_dir(num) for num in nums}, self._EXECUTOR == "slurm")
+        batch = OmegaConf.select(self.config, "hydra.sweeper.max_batch_size", default=None)
+        if batch and len(nums) >= batch:  # (the sweeper hands the launcher a batch at a time)
+            print(f"(the sweeper gives the launcher {batch} job(s) at a time, "
+                  f"hydra.sweeper.max_batch_size: this dry run is of the first batch)")
+        sys.exit(code)
 
     def _run_dir(self, num: int) -> Path:
         sweep = self.composed[num].hydra.sweep
