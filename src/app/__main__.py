@@ -127,6 +127,7 @@ def main(dict_cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     try:
         main()
-    except KeyboardInterrupt:  # Ctrl-C while Hydra composes: one line, not a traceback
-        print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+    except KeyboardInterrupt as e:  # while Hydra composes, or between a sweep's jobs
+        terminated = isinstance(e, _Terminated)
+        print(f"stopped by {'SIGTERM' if terminated else 'SIGINT (Ctrl-C)'}", file=sys.stderr)
+        sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
