@@ -62,10 +62,12 @@ def test_a_value_of_the_wrong_type_is_one_line(override: str, line: str) -> None
                         "(options: eval, export, predict, trainval)"),
     ("hydra/launcher=submitit_slrm", "hydra/launcher=submitit_slrm: no such option; did you "
      "mean hydra/launcher=submitit_slurm? (options: basic, submitit_local, submitit_slurm)"),
-    ("+experiment=nope", "experiment=nope: no such option (options: digits_long, digits_mlp)"),
+    ("+experiment=nope", "+experiment=nope: no such option (options: digits_long, "
+                         "digits_mlp)"),
 ])
-def test_an_unknown_group_option_gets_the_nearest_and_the_list(override: str,
+def test_an_unknown_group_option_gets_the_nearest_and_the_list(monkeypatch, override: str,
                                                                line: str) -> None:
+    monkeypatch.setattr("sys.argv", ["app", override])  # (the override as typed)
     with pytest.raises(MissingConfigException) as err:
         make_config(override)
     assert explain(err.value) == line

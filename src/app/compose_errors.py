@@ -154,7 +154,9 @@ def option_line(e: MissingConfigException) -> str | None:
         f"the group {group} has no options here; is it on hydra.searchpath?"
     if not name:
         return f"{where}{group}=: no option given ({known})"
-    return f"{where}{group}={name}: no such option{hint} ({known})"
+    # As typed: +experiment=nope, not experiment=nope.
+    typed = next((a for a in sys.argv[1:] if a.lstrip("+") == f"{group}={name}"), None)
+    return f"{where}{typed or f'{group}={name}'}: no such option{hint} ({known})"
 
 
 def _unparsable(arguments: list[str]) -> str | None:
