@@ -87,6 +87,10 @@ def test_a_file_that_names_an_unknown_option_is_named(tmp_path) -> None:
     (["foo"], "foo: ", "missing EQUAL"),
     (["seed=1", "optimizer.lr=[1"], "optimizer.lr=[1: ", "no viable alternative at input"),
     (["--multirun", "a=b=c"], "a=b=c: ", "mismatched input '='"),
+    (["optimizer.lr=ünï"], "optimizer.lr=ünï: ", "'ü' at character 14: a character an "
+                                                "unquoted value cannot hold (quote the value"),
+    (["optimizer.lr=\"0.1"], "optimizer.lr=\"0.1: ", "'\"' at character 14: an unclosed quote"),
+    (["mödel=cnn"], "mödel=cnn: ", "'ö' at character 2: a character a key cannot hold"),
 ])
 def test_an_override_hydra_cannot_parse_is_named(monkeypatch, argv: list[str], named: str,
                                                  why: str) -> None:

@@ -181,6 +181,16 @@ def parse_line(e: OverrideParseException) -> str:
     named = re.match(r"Error parsing override '(.*)'$", lines[0]) if lines else None
     override = named[1] if named else _unparsable(sys.argv[1:])
     reason = "; ".join(lines[1:] if named else lines) or "a syntax error"
+    lexer = "LexerNoViableAltException: "  # (its next line's caret points at the character)
+    if lines and lines[0].startswith(lexer) and len(lines) > 1 and lines[1].strip() == "^":
+        text, at = lines[0][len(lexer):], len(lines[1]) - 1 - len(lexer)
+        if 0 <= at < len(text):
+            char, in_key = text[at], at < text.find("=") or "=" not in text
+            why = "an unclosed quote" if char in "'\"" else \
+                "a character a key cannot hold" if in_key else \
+                "a character an unquoted value cannot hold (quote the value: KEY='...')" \
+                if not char.isascii() else "a character that cannot start a value"
+            reason = f"{char!r} at character {at + 1}: {why}"
     return (f"{override + ': ' if override else ''}not a valid override ({reason}); write "
             f"KEY=VALUE, +KEY=VALUE to add a key, ~KEY to remove one, and quote values with "
             f"spaces or brackets (https://hydra.cc/docs/advanced/override_grammar/basic/)")
