@@ -178,6 +178,22 @@ def test_a_folder_that_cannot_work_is_one_line_naming_it(tmp_path, make, words) 
     assert "\n" not in str(raised.value)
 
 
+def test_linked_folders_are_followed_once_and_a_loop_is_named(tmp_path) -> None:
+    root = tmp_path / "shapes"
+    make_image_folder(root)
+    first = CLASSES[0]
+    # A linked folder of another place is followed, and two links to it count its images once.
+    make_image_folder(tmp_path / "more", per_class=2, classes=(first,))
+    (root / first / "more").symlink_to(tmp_path / "more" / first)
+    (root / first / "again").symlink_to(tmp_path / "more" / first)
+    data = _data(root)
+    assert len(data.train) + len(data.val) == 36 + 2
+    # A link back to the root: every image again under this class, over and over, before.
+    (root / first / "loop").symlink_to(root)
+    with pytest.raises(UserError, match=f"{first}/loop links to .*a loop; remove the link"):
+        _data(root)
+
+
 def test_bad_options_are_named(folder) -> None:
     for options, words in (({"channels": 2}, "data.channels=2"),
                            ({"image_size": [8, 8, 8]}, "data.image_size"),

@@ -72,11 +72,24 @@ def _class_folders(folder: Path) -> list[str]:
 
 
 def _images(folder: Path) -> list[Path]:
-    """The image files under `folder`, in sub-folders too (linked ones followed), hidden
-    files and folders left out."""
-    found = []
+    """The image files under `folder`, in sub-folders too (linked ones followed, each real
+    folder once), hidden files and folders left out. A link back to `folder` or above it is
+    an error: followed, it would add every image of the data set again under this class,
+    over and over, on both sides of the split."""
+    found, top = [], os.path.realpath(folder)
+    seen = {top}
     for parent, dirs, names in os.walk(folder, followlinks=True):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        kept = []
+        for d in (d for d in dirs if not d.startswith(".")):
+            real = os.path.realpath(os.path.join(parent, d))
+            if real == top or top.startswith(real.rstrip(os.sep) + os.sep):
+                raise UserError(f"data.root: {Path(parent, d)} links to {real}, the class "
+                                f"folder {folder} or a folder above it: a loop; remove the "
+                                f"link")
+            if real not in seen:  # (two links to one folder: its images once)
+                seen.add(real)
+                kept.append(d)
+        dirs[:] = kept
         found += [Path(parent, n) for n in names if is_image_name(n)]
     return sorted(found)
 
