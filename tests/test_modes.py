@@ -116,11 +116,40 @@ def test_export_fails_when_outputs_differ(trained, tmp_path, monkeypatch) -> Non
     from app.modes.export import run_export
 
     real_load = torch.jit.load
-    monkeypatch.setattr(torch.jit, "load", lambda path: (lambda x: real_load(path)(x) + 1e-3))
+    def off_by_a_little(path):
+        loaded = real_load(path)
+        return lambda x: loaded(x) + 1e-3
+
+    monkeypatch.setattr(torch.jit, "load", off_by_a_little)
     cfg = make_config("trainer=export", f"ckpt={trained}/checkpoints/best.pt",
                       "model.channels=[8,16]")
     with pytest.raises(AppError, match="torchscript"):
         run_export(cfg, tmp_path, torch.device("cpu"))
+
+
+def test_an_export_cut_short_leaves_no_part_of_a_file_under_its_name(trained, tmp_path,
+                                                                     monkeypatch) -> None:
+    # (torch's savers wrote in place: a kill mid-export left a truncated model.pt2 there.)
+    import torch
+
+    from app.modes.export import run_export
+
+    cfg = make_config("trainer=export", f"ckpt={trained}/checkpoints/best.pt",
+                      "model.channels=[8,16]")
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "model.pt2").write_bytes(b"the previous export")
+
+    def cut_short(program, path) -> None:
+        Path(path).write_bytes(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt  # (as a Ctrl-C mid-write)
+
+    monkeypatch.setattr(torch.export, "save", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        run_export(cfg, tmp_path, torch.device("cpu"))
+    assert (out / "model.pt2").read_bytes() == b"the previous export"
+    assert torch.jit.load(str(out / "model.ts")) is not None  # (written whole before it)
+    assert sorted(p.name for p in out.iterdir()) == ["model.pt2", "model.ts"]  # no temp left
 
 
 def test_seeded_runs_repeat_and_seeds_differ(tmp_path) -> None:

@@ -58,6 +58,22 @@ def sync_dir(folder: Path) -> None:
 
 
 @contextmanager
+def written_aside(path: Path) -> Iterator[Path]:
+    """A temporary name beside `path` for a writer that takes a file name (torch's savers),
+    renamed to `path` once the block has written it: a kill or a failure leaves the previous
+    file, or none, under the name, never a part."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise write_failed(path, e) from e
+        raise
+
+
+@contextmanager
 def appending(path: Path) -> Iterator:
     """Append to `path`; if the append fails, cut the file back to its previous end, so a
     failed append leaves no partial line."""

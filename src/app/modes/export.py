@@ -12,7 +12,7 @@ import torch
 from app.config import AppConfig
 from app.data import first_samples
 from app.errors import ExportMismatch
-from app.files import write_text_atomically
+from app.files import write_text_atomically, written_aside
 from app.training.build import build_data, build_trained_model
 
 log = logging.getLogger(__name__)
@@ -35,18 +35,20 @@ def run_export(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
 
     # TorchScript is deprecated upstream in favour of torch.export, but many deployments
     # still load .ts files; the warning says nothing the user can act on here.
-    with warnings.catch_warnings():
+    # Each file is written aside and renamed when whole (app.files.written_aside): a kill
+    # mid-export leaves no truncated model.ts or model.pt2 under its name.
+    ts_path, pt2_path = out_dir / "model.ts", out_dir / "model.pt2"
+    with warnings.catch_warnings(), written_aside(ts_path) as tmp:
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
         scripted = torch.jit.trace(model, example)
-        ts_path = out_dir / "model.ts"
-        scripted.save(str(ts_path))
-        ts_loaded = torch.jit.load(str(ts_path))
+        scripted.save(str(tmp))
+        ts_loaded = torch.jit.load(str(tmp))
 
     batch = torch.export.Dim("batch", min=1)
     program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
-    pt2_path = out_dir / "model.pt2"
-    torch.export.save(program, str(pt2_path))
-    pt2_loaded = torch.export.load(str(pt2_path)).module()
+    with written_aside(pt2_path) as tmp:
+        torch.export.save(program, str(tmp))
+        pt2_loaded = torch.export.load(str(tmp)).module()
 
     eager = model(check)
     diffs = {"torchscript": _max_diff(ts_loaded(check), eager),
