@@ -116,6 +116,17 @@ def test_fsdp_resumes_bit_identically(tmp_path) -> None:
     assert [r for r in read_metrics(resumed.run_dir) if int(r["step"]) > 5] == after
 
 
+def test_a_model_sharded_as_one_unit_validates_then_checkpoints(tmp_path) -> None:
+    # wrap=[MLP], the model itself: the root holds every parameter. After a validation (a
+    # forward without backward) they stayed gathered, and the checkpoint's optimizer state
+    # failed (KeyError in torch's get_optimizer_state_dict).
+    steps = [o for o in STEPS if not o.startswith("model.")]  # (TINY's are the CNN's)
+    job = run_job(tmp_path / "run", *steps, "model=mlp", "model.hidden=[32]", "devices=2",
+                  *FSDP, "distributed.fsdp.wrap=[MLP]")
+    assert "fsdp: 0 unit(s) and the model sharded over 2 ranks" in _log(job)
+    assert (job.run_dir / "checkpoints" / "step-00000015.pt" / ".metadata").is_file()
+
+
 def test_a_checkpoint_of_two_ranks_resumes_on_one_on_two_and_on_four(tmp_path) -> None:
     """2 -> 1 -> 2 ranks and 2 -> 4, the global batch kept (one rank takes 64 samples a step,
     four 16): the weights and the model's outputs end as the unsharded DDP run's, up to

@@ -103,9 +103,11 @@ def shard(model: nn.Module, device: torch.device, wrap: list[str], precision: st
     for module in inner:
         fully_shard(module, mesh=mesh, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward)
-    # The root's parameters are gathered for the forward and kept for the backward (FSDP2's
-    # default for the root: its backward comes right after).
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # The root's own parameters are freed after each forward too (FSDP2 keeps a root's for
+    # the backward by default): after a forward without backward (validation) they stayed
+    # gathered, and the checkpoint's optimizer state could not be matched to them (a
+    # KeyError in torch's get_optimizer_state_dict when the root holds the parameters).
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     log.info("fsdp: %d unit(s) and the model sharded over %d ranks%s", len(inner),
              dist.world_size(), f", parameters in {precision}" if precision in LOW_PRECISION
              else "")
