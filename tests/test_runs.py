@@ -127,3 +127,29 @@ def test_filters_by_group_option_and_number_and_a_misspelt_key_is_named(outputs,
     assert lines == [f"no runs under {outputs} that match",
                      "  optimzer.lr: no run here has this key",
                      "  --status bogus: the runs here are completed, failed"]
+
+
+def test_a_broken_run_folder_is_named_and_hides_no_other(tmp_path, capsys) -> None:
+    def run(name: str, config: str, result: str | None = None) -> Path:
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "config.yaml").write_text(config)
+        if result is not None:
+            (tmp_path / name / "result.json").write_text(result)
+        return tmp_path / name
+
+    run("good", "trainer:\n  mode: trainval\n", '{"status": "completed", "wall_s": 1.0}')
+    run("cut", "trainer:\n  mode: eval\n", "{not json")  # result.json cut short
+    run("bad", ": : [\n")  # not YAML
+    run("list", "- 1\n")  # YAML, not a config
+    code, lines = _run(capsys, "ls", str(tmp_path))
+    assert code == 0
+    listed = {line.split()[0]: line.split()[1] for line in lines
+              if line.split() and line.split()[0] in ("good", "cut")}
+    assert listed == {"good": "completed", "cut": "unreadable"}, lines
+    for name in ("bad", "list"):
+        assert any(f"{name}: skipped: its .hydra/config.yaml does not load" in line
+                   for line in lines), lines
+        code, said = _run(capsys, "show", str(tmp_path / name))
+        assert code == 2 and len(said) == 1 and "does not load as a config" in said[0], said
+    code, said = _run(capsys, "show", str(tmp_path / "cut"))
+    assert code == 0 and any(line.startswith("result.json: not valid JSON") for line in said)

@@ -148,7 +148,12 @@ def cmd_ls(root: Path, wanted: list[str], status: str | None) -> int:
     if not root.is_dir():
         print(f"error: {root}: no such folder", file=sys.stderr)
         return 2
-    every = [describe(r) for r in find_runs(root)]
+    every = []
+    for run in find_runs(root):
+        try:
+            every.append(describe(run))
+        except Exception as e:  # (one broken run folder must not hide the others)
+            print(f"warning: {run}: skipped: {_unreadable(e)}", file=sys.stderr)
     runs = [r for r in every if matches(r, wanted) and (status is None or
                                                         r["status"].startswith(status))]
     if not runs:
@@ -192,9 +197,19 @@ def differences(a: DictConfig, b: DictConfig) -> list[tuple[str, Any, Any]]:
             if la.get(k, "-") != lb.get(k, "-")]
 
 
+def _unreadable(e: Exception) -> str:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return f"its .hydra/config.yaml does not load as a config ({first})"
+
+
 def _run_dir(path: Path) -> Path | None:
     if not (path / ".hydra" / "config.yaml").is_file():
         print(f"error: {path}: not a run directory (no .hydra/config.yaml)", file=sys.stderr)
+        return None
+    try:
+        describe(path)
+    except Exception as e:
+        print(f"error: {path}: {_unreadable(e)}", file=sys.stderr)
         return None
     return path
 
@@ -215,7 +230,10 @@ def cmd_show(path: Path) -> int:
         print(f"  {key}: {value} (default: {default})")
     for name in ("eval.json", RESULT):
         if (run / name).is_file():
-            print(f"{name}: {json.dumps(json.loads((run / name).read_text()))}")
+            try:
+                print(f"{name}: {json.dumps(json.loads((run / name).read_bytes()))}")
+            except ValueError as e:
+                print(f"{name}: not valid JSON ({e})")
     print("files:")
     for path in sorted(p for p in run.rglob("*") if p.is_file() and not any(
             part.startswith(".") for part in p.relative_to(run).parts)):

@@ -46,6 +46,18 @@ def write_result(run_dir: Path, status: str, wall_s: float, error: str | None = 
         log.warning("%s", e)
 
 
+def read_result(run_dir: Path) -> dict[str, Any]:
+    """The run's result.json ({} when there is none); one that is not a JSON object (edited
+    by hand, cut short by a full disk) reads as the status `unreadable result.json`."""
+    try:
+        result = json.loads((run_dir / RESULT).read_bytes())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        result = None
+    return result if isinstance(result, dict) else {"status": f"unreadable {RESULT}"}
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, str]]:
     path = run_dir / "metrics.csv"
     if not path.is_file():
@@ -73,8 +85,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     rows = read_metrics(run_dir)
     values = [float(r[name]) for r in rows if r["split"] == split and r.get(name)]
     values = [v for v in values if not math.isnan(v)]
-    result_file = run_dir / RESULT
-    result = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    result = read_result(run_dir)
     status = result.get("status") or ("running or killed" if rows else "no result")
     return {
         "status": status,
