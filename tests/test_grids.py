@@ -59,6 +59,17 @@ def test_a_colour_grid_keeps_its_colours_and_its_size(tmp_path) -> None:
     assert _has(_cell(image, 2, 3), (0, 0, 255))
 
 
+def test_inputs_that_are_not_pictures_still_make_a_grid(tmp_path) -> None:
+    # A user's data of 2 channels, or a feature vector: Pillow refused them ("Invalid mode"),
+    # and trainer=predict or the eval_visuals callback failed after their real work.
+    for shape in [(4, 2, 6, 6), (4, 10), (4, 5, 7, 7)]:
+        images = torch.rand(shape)
+        images[0] = float("nan")  # (NaN inputs draw as black, not as an error)
+        path = tmp_path / f"grid-{len(shape)}-{shape[1]}.png"
+        save_grid(images, [0, 1, 2, 3], [0, 1, 1, 3], "odd inputs", path)
+        assert _open(path).text["Description"].count("pred") == 4
+
+
 def test_class_names_label_the_cells_and_a_long_one_stays_in_its_cell(tmp_path) -> None:
     classes = ["a_class_name_far_too_long_for_one_cell_of_the_grid", "b"]
     path = tmp_path / "grid.png"

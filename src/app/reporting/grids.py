@@ -28,12 +28,16 @@ GREEN, RED = (0, 128, 0), (220, 0, 0)
 
 
 def _pixels(image: torch.Tensor) -> Image.Image:
-    """(C, H, W) in [0, 1] -> a picture: grey for one channel, else RGB."""
-    array = np.clip(image.detach().float().cpu().numpy(), 0, 1)
-    if array.shape[0] == 1:
-        return Image.fromarray(np.round(255 * array[0]).astype(np.uint8), mode="L")
-    rgb = array.transpose(1, 2, 0)
-    return Image.fromarray(np.round(255 * rgb).astype(np.uint8), mode="RGB")
+    """(C, H, W) in [0, 1] -> a picture: RGB for 3 or 4 channels (the first 3), grey for
+    one; an input of another shape, a user's data that is not an image (2 channels, a
+    feature vector), shows its first channel, or its values as a strip, in grey."""
+    array = np.clip(np.nan_to_num(image.detach().float().cpu().numpy()), 0, 1)
+    array = array.reshape(1, 1, -1) if array.ndim < 2 else array[None] if array.ndim == 2 \
+        else array.reshape(-1, *array.shape[-2:])
+    if array.shape[0] in (3, 4):
+        rgb = array[:3].transpose(1, 2, 0)
+        return Image.fromarray(np.round(255 * rgb).astype(np.uint8), mode="RGB")
+    return Image.fromarray(np.round(255 * array[0]).astype(np.uint8), mode="L")
 
 
 # Fonts tried in turn for a label that Pillow's own font cannot draw (it has ASCII only: "café"
