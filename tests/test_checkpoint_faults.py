@@ -80,6 +80,20 @@ def test_a_directory_given_as_the_checkpoint_to_evaluate_is_one_line(tmp_path) -
     (tmp_path / "last.pt").mkdir()
     with pytest.raises(UserError, match="last.pt: a directory, not a checkpoint file"):
         _train(tmp_path / "run", "trainer=eval", f"ckpt={tmp_path / 'last.pt'}")
+    # A sharded checkpoint's directory that lost its index is named as such.
+    (tmp_path / "last.pt" / "__0_0.distcp").write_bytes(b"shard")
+    with pytest.raises(UserError, match="last.pt: a sharded checkpoint's directory without "
+                                        r"its index \(.metadata\)"):
+        _train(tmp_path / "run", "trainer=eval", f"ckpt={tmp_path / 'last.pt'}")
+
+
+@pytest.mark.parametrize("content,why", [(b"i am text\n", "UnpicklingError"),
+                                         (b"PK\x03\x04", "")])
+def test_a_file_that_is_no_checkpoint_says_what_it_may_be(tmp_path, content, why) -> None:
+    (tmp_path / "model.pt").write_bytes(content)
+    with pytest.raises(UserError, match="not a readable checkpoint file \\(cut short, or not "
+                                        f"written by torch.save: .*{why}"):
+        _train(tmp_path / "run", "trainer=eval", f"ckpt={tmp_path / 'model.pt'}")
 
 
 @pytest.fixture(scope="module")

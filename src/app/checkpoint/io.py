@@ -131,6 +131,9 @@ def read(path: str | Path) -> Any:
     it cannot be read. What it holds is checked by `layout.load`, which calls this."""
     path = Path(path)
     if path.is_dir():
+        if (path / "meta.pt").is_file() or any(path.glob("*.distcp")):
+            raise UserError(f"checkpoint {path}: a sharded checkpoint's directory without "
+                            f"its index (.metadata): not a whole checkpoint")
         raise UserError(f"checkpoint {path}: a directory, not a checkpoint file (a run keeps "
                         f"its checkpoints in checkpoints/: give one, such as last.pt)")
     if not path.is_file():
@@ -140,13 +143,19 @@ def read(path: str | Path) -> Any:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        if "Weights only load failed" in str(e):
+        if "Unsupported global" in str(e):  # (a pickle of objects; not bytes it cannot read)
             raise UserError(
                 f"checkpoint {path}: refused: it holds Python objects other than tensors and "
                 f"plain values, and loading those could run code (nothing was run). Load only "
                 f"checkpoints written by app, or by code you trust") from e
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"checkpoint {path}: not a readable checkpoint ({first_line})") from e
+        # (Some say only a number or an errno: "105", "[Errno 22] Invalid argument"; the
+        # weights-only unpickler's own line is the one after its advice.)
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        said = next((line for line in lines if line.startswith("Unsupported")), None) or \
+            (lines[0] if lines and "Weights only load failed" not in lines[0] else "")
+        why = f"{type(e).__name__}: {said}" if said else type(e).__name__
+        raise UserError(f"checkpoint {path}: not a readable checkpoint file (cut short, or not "
+                        f"written by torch.save: {why})") from e
     return state
 
 
