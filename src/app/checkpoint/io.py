@@ -143,7 +143,9 @@ def read(path: str | Path) -> Any:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        if "Unsupported global" in str(e):  # (a pickle of objects; not bytes it cannot read)
+        # A pickle of objects names the global it refused ("Unsupported global: GLOBAL ...",
+        # "unsupported GLOBAL posix.system"); bytes it cannot read do not.
+        if "Weights only load failed" in str(e) and "GLOBAL" in str(e):
             raise UserError(
                 f"checkpoint {path}: refused: it holds Python objects other than tensors and "
                 f"plain values, and loading those could run code (nothing was run). Load only "
