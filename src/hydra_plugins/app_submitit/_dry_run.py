@@ -118,9 +118,11 @@ def chained(parts: list[list[int]], cap: int | None) -> bool:
 
 
 def report(executor: Any, params: dict[str, Any], max_num_failures: int,
-           overrides: dict[int, list[str]], run_dirs: dict[int, Path], on_slurm: bool) -> int:
+           overrides: dict[int, list[str]], run_dirs: dict[int, Path], on_slurm: bool,
+           batch: int | None = None) -> int:
     """Print the sbatch scripts, the jobs, the arithmetic and the problems found; the exit
-    status (2: a problem, 0: none)."""
+    status (2: a problem, 0: none). `batch`: the sweeper's max_batch_size (it hands the
+    launcher that many jobs at a time)."""
     from hydra.core.utils import filter_overrides
 
     from app._private import sbatch_script
@@ -152,4 +154,7 @@ def report(executor: Any, params: dict[str, Any], max_num_failures: int,
     for problem in found:
         print(f"problem: {problem}")
     print(f"dry run: nothing was submitted; {len(found)} problem(s) found")
+    if batch and len(nums) >= batch:
+        print(f"(the sweeper gives the launcher {batch} job(s) at a time, "
+              f"hydra.sweeper.max_batch_size: this dry run is of the first batch)")
     return 2 if found else 0

@@ -36,6 +36,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import OmegaConf
 
 from ._job import JobSide
+from ._sbatch import captured_stderr, refusal
 
 log = logging.getLogger(__name__)
 
@@ -60,31 +61,6 @@ def _sigterm_as_interrupt(active: bool) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def _sbatch_stderr(active: bool) -> Iterator[list[str]]:
-    """What sbatch writes on stderr (submitit lets it through, before our line about the same
-    refusal): kept, for that line to tell, and written out after a submission that went
-    through. Slurm only: a local job would inherit the captured stderr for its whole life."""
-    said: list[str] = []
-    if not active:
-        yield said
-        return
-    import os
-    import tempfile
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield said
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            said.extend(sink.read().decode(errors="replace").splitlines())
 
 
 class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
@@ -149,7 +125,9 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         except KeyboardInterrupt as e:
             if self._EXECUTOR != "slurm":
                 raise  # local jobs are this command's children: they get the Ctrl-C too
-            self._report_left(jobs)
+            from ._job_report import report_left
+
+            report_left(jobs, self._run_dir)
             code = 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
             log.error("stopped by %s: the waiting ended, not the jobs",
                       "SIGTERM" if code == 128 + signal.SIGTERM else "SIGINT (Ctrl-C)")
@@ -262,7 +240,7 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
             if chain and previous is not None:
                 executor.update_parameters(slurm_additional_parameters={
                     **extra, "dependency": f"afterany:{previous}"})
-            with _sbatch_stderr(self._EXECUTOR == "slurm") as said:
+            with captured_stderr(self._EXECUTOR == "slurm") as said:  # (sbatch's lines)
                 try:
                     submitted = executor.map_array(
                         self, [overrides[n] for n in part], ["hydra.sweep.dir"] * len(part),
@@ -288,14 +266,8 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
     def _refused_submission(self, e: Exception, submitted: dict[int, Any],
                             stderr: list[str]) -> None:
         """sbatch refused the job (a partition that does not exist, a limit): its own words
-        (each of its error lines once, from its stderr and submitit's error), in one line,
-        instead of submitit's traceback and sbatch's lines."""
-        text = str(e)
-        said = list(dict.fromkeys(
-            line.strip().removeprefix("sbatch: error:").strip()
-            for line in [*stderr, *text.splitlines()] if "sbatch: error" in line))
-        reason = "; ".join(said) if said else \
-            (text.strip().splitlines() or [type(e).__name__])[0]
+        in one line (_sbatch.refusal), instead of submitit's traceback and sbatch's lines."""
+        reason = refusal(e, stderr)
         more = "" if not submitted else (
             f"; jobs submitted before it go on: {', '.join(j.job_id for j in submitted.values())}")
         log.error("%s refused the submission: %s (check it first with "
@@ -329,44 +301,13 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         fits, 2 if not) without submitting."""
         from ._dry_run import report
 
-        code = report(executor, self.params, self.max_num_failures, overrides,
-                      {num: self._run_dir(num) for num in nums}, self._EXECUTOR == "slurm")
-        batch = OmegaConf.select(self.config, "hydra.sweeper.max_batch_size", default=None)
-        if batch and len(nums) >= batch:  # (the sweeper hands the launcher a batch at a time)
-            print(f"(the sweeper gives the launcher {batch} job(s) at a time, "
-                  f"hydra.sweeper.max_batch_size: this dry run is of the first batch)")
-        sys.exit(code)
+        sys.exit(report(executor, self.params, self.max_num_failures, overrides,
+                        {num: self._run_dir(num) for num in nums}, self._EXECUTOR == "slurm",
+                        OmegaConf.select(self.config, "hydra.sweeper.max_batch_size")))
 
     def _run_dir(self, num: int) -> Path:
         sweep = self.composed[num].hydra.sweep
         return Path(str(sweep.dir), str(sweep.subdir))
-
-    def _report_left(self, jobs: dict[int, Any]) -> None:
-        """After Ctrl-C: the jobs that go on without this command, and how to follow them."""
-        from app._private import slurm_watcher
-
-        from ._slurm_states import FINAL
-
-        if not jobs:
-            log.error("interrupted while submitting: a job already submitted goes on (list "
-                      "yours with `squeue -u $USER`)")
-            return
-        try:
-            slurm_watcher().update()
-        except KeyboardInterrupt:  # a second Ctrl-C: the states known so far will do
-            pass
-        for num, job in sorted(jobs.items()):
-            state = slurm_watcher().get_state(job.job_id, mode="cache").split()[0]
-            finished = all(job.task(t).paths.result_pickle.exists()
-                           for t in range(job.num_tasks))
-            if finished or state in FINAL:
-                continue
-            now = {"UNKNOWN": "may be queued or running", "PENDING": "is queued (PENDING)"
-                   }.get(state, f"is {state}")
-            log.warning("job #%d (slurm job %s) %s and goes on without this command: watch it "
-                        "with `squeue -j %s` (log: %s), cancel it with `scancel %s`", num,
-                        job.job_id, now, job.job_id, self._run_dir(num) / "train.log",
-                        job.job_id)
 
     def _result(self, job: Any, num: int, overrides: list[str]) -> JobReturn:
         from ._job_report import describe, outcomes
