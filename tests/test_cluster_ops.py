@@ -1,7 +1,7 @@
 """Cluster operations on the local Slurm cluster (`make slurm-up`): a detached sweep (submit and
 walk away; `python -m app.status`, `python -m app.report`), no job submitted twice, a dry run
-that submits nothing, sweeps larger than MaxArraySize; and the status lines themselves,
-in-process, for every state a job can be in."""
+that submits nothing, sweeps larger than MaxArraySize, the code snapshot, refused submissions
+(the status lines themselves, in-process: tests/test_status.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from app import slurm, status
+from app import slurm
 from conftest import HELPERS, REPO, TINY
-from hydra_plugins.app_submitit._dry_run import chunks
+from test_status import UNREADABLE_RECORDS
 
 sys.path.insert(0, str(HELPERS))
 from slurm_cluster import job_ids, slurm_cluster, submit, wait_for  # noqa: E402, F401
@@ -39,123 +39,6 @@ def _recorded(sweep: Path) -> dict[int, str]:
 def _scancel(sweep: Path) -> None:
     if (sweep / "submission.json").is_file():
         subprocess.run(["scancel", *{j.split("_")[0] for j in _recorded(sweep).values()}])
-
-
-# -- in-process: what Slurm's answers mean ------------------------------------------------------
-
-def test_slurm_answers_are_read() -> None:
-    assert slurm._task_ids("0-3,7%2") == ["0", "1", "2", "3", "7"]
-    assert slurm.minutes("UNLIMITED") is None
-    assert [slurm.minutes(t) for t in ("60", "1:30:00", "2-00:00:00", "5:00")] == \
-        [60, 90, 2880, 5]
-    assert slurm.gpus("gpu:a100:8(S:0-1),gpu:2") == 10 and slurm.gpus("(null)") == 0
-    # An array's task ids stay below MaxArraySize: 10 jobs with MaxArraySize=4.
-    assert chunks(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert chunks([3, 4], None) == [[3, 4]]
-
-
-def _run_dir(tmp_path: Path, result: dict | None = None, steps: int = 0, total: int = 40,
-             attempts: int = 1) -> Path:
-    run_dir = tmp_path / "run"
-    (run_dir / ".hydra").mkdir(parents=True)
-    lines = [f"[2026-12-03 10:00:0{a},000][app.reporting.summary][INFO] - attempt started: pid 1"
-             for a in range(attempts)]
-    lines += [f"[2026-12-03 10:00:09,000][app.training.loop][INFO] - step {s}/{total} epoch 0: "
-              f"loss 1.0 lr 1e-3" for s in range(1, steps + 1)]
-    (run_dir / "train.log").write_text("\n".join(lines) + "\n")
-    if steps:
-        (run_dir / "metrics.csv").write_text(
-            "step,epoch,split,loss,acc\n" + "".join(f"{s},0,val,1.0,0.{s}\n"
-                                                   for s in range(1, steps + 1)))
-    if result is not None:
-        (run_dir / "result.json").write_text(json.dumps(result))
-    return run_dir
-
-
-def _checkpoints(run_dir: Path, steps: list[int], sharded: bool = False) -> None:
-    """Periodic checkpoints by name (their content is not read), last.pt naming the newest as
-    the app links it: a hard link to a file, a symbolic link to a sharded one's directory."""
-    folder = run_dir / "checkpoints"
-    folder.mkdir()
-    for step in steps:
-        path = folder / f"step-{step:08d}.pt"
-        if sharded:
-            path.mkdir()
-            (path / ".metadata").write_bytes(b"index")
-        else:
-            path.write_bytes(b"weights")
-    newest = folder / f"step-{max(steps):08d}.pt"
-    if sharded:
-        (folder / "last.pt").symlink_to(newest.name)
-    else:
-        os.link(newest, folder / "last.pt")
-
-
-@pytest.mark.parametrize(("job", "files", "expected", "said"), [
-    (slurm.Job("1_0", "PENDING", "JobHeldUser"), {}, "queued", "queued (held)"),
-    (slurm.Job("1_0", "PENDING", "Resources"), {}, "queued", "queued (PENDING: Resources)"),
-    (slurm.Job("1_0", "PENDING", "BeginTime", restarts=2), {"steps": 7}, "queued",
-     "waiting to run again at step 7 of 40 (PENDING: BeginTime), requeued 2 time(s)"),
-    (slurm.Job("1_0", "RUNNING", nodes="node2"), {"steps": 12}, "running",
-     "running on node2 at step 12 of 40"),
-    (slurm.Job("1_0", "PREEMPTED"), {"steps": 3}, "queued",
-     "preempted at step 3 of 40, waiting to run again"),
-    (slurm.Job("1_0", "COMPLETED", restarts=1),
-     {"steps": 9, "result": {"status": "completed", "wall_s": 5}, "attempts": 2}, "completed",
-     "completed: best val/acc 0.9, step 9, 2 attempts, requeued 1 time(s)"),
-    (slurm.Job("1_0", "FAILED", exit_code="1:0"),
-     {"steps": 2, "result": {"status": "failed", "error": "RuntimeError: boom"}}, "failed",
-     "FAILED: failed at step 2 of 40: RuntimeError: boom"),
-    (slurm.Job("1_0", "CANCELLED"), {"steps": 4}, "cancelled", "cancelled at step 4 of 40"),
-    (slurm.Job("1_0", "NODE_FAIL", exit_code="0:0"), {"steps": 4}, "failed",
-     "NODE_FAIL: ended without a result at step 4 of 40"),
-    (slurm.Job("1_0", "TIMEOUT", exit_code="0:15"), {}, "failed",
-     "TIMEOUT: ended without a result"),
-], ids=["held", "queued", "requeued-waiting", "running", "preempted", "completed", "failed",
-        "cancelled", "node-fail", "timeout"])
-def test_each_slurm_state_is_one_line(tmp_path, job, files, expected, said) -> None:
-    run_dir = _run_dir(tmp_path, files.get("result"), files.get("steps", 0),
-                       attempts=files.get("attempts", 1))
-    assert status.from_slurm(job, run_dir, None) == (expected, said)
-
-
-@pytest.mark.parametrize("sharded", [False, True])
-def test_a_requeued_job_is_said_to_run_again_from_its_last_checkpoint(tmp_path,
-                                                                      sharded) -> None:
-    # Logged to step 7, last checkpoint at step 5: steps 6 and 7 are trained again.
-    run_dir = _run_dir(tmp_path, None, steps=7)
-    _checkpoints(run_dir, [2, 5], sharded)
-    waiting = slurm.Job("1_0", "PENDING", "BeginTime", restarts=1)
-    assert status.from_slurm(waiting, run_dir, None) == (
-        "queued", "waiting to run again from step 5 of 40 (its last checkpoint, logged to "
-                  "step 7) (PENDING: BeginTime), requeued 1 time(s)")
-    assert status.from_slurm(slurm.Job("1_0", "PREEMPTED"), run_dir, None) == (
-        "queued", "preempted at step 7 of 40, waiting to run again from step 5")
-    (run_dir / "checkpoints" / "last.pt").unlink()  # (a copy, or none: where the log ends)
-    assert status.from_slurm(waiting, run_dir, None)[1].startswith(
-        "waiting to run again at step 7 of 40")
-
-
-def test_a_job_slurm_forgot_is_read_from_its_run_directory(tmp_path) -> None:
-    assert status.from_run_dir(tmp_path / "none")[0] == "not started"
-    run_dir = _run_dir(tmp_path, None, steps=5)
-    assert status.from_run_dir(run_dir) == ("ended",
-                                            "ended without a result at step 5 of 40 (killed?)")
-    (run_dir / ".run.lock").write_text(f"{__import__('os').getpid()} "
-                                       f"{__import__('os').uname().nodename}\n")
-    assert status.from_run_dir(run_dir) == ("running", f"running at step 5 of 40 (pid "
-                                                       f"{__import__('os').getpid()})")
-
-
-def test_status_of_a_run_directory_and_of_nothing(tmp_path) -> None:
-    run_dir = _run_dir(tmp_path, {"status": "completed", "wall_s": 1.0}, steps=3)
-    done = _app_module("app.status", run_dir)
-    assert done.returncode == 0 and "completed: best val/acc 0.3, step 3" in done.stdout
-    (tmp_path / "empty").mkdir()
-    nothing = _app_module("app.status", tmp_path / "empty")
-    assert nothing.returncode == 2 and "neither a sweep directory" in nothing.stderr
-    nowhere = _app_module("app.status", tmp_path / "nowhere")
-    assert nowhere.returncode == 2 and "nowhere: no such folder" in nowhere.stderr
 
 
 # -- on the cluster ------------------------------------------------------------------------------
@@ -420,32 +303,6 @@ def test_a_sweep_of_other_values_into_a_used_sweep_directory_submits_nothing(tmp
         _scancel(sweep)
 
 
-UNREADABLE_RECORDS = [
-    (b'{"jobs": [{"num": 0, "job_id": "12', "is not valid JSON"),  # cut short
-    (b"\xff\xfe{", "is not valid JSON"),  # not text
-    (b'{"launcher": "slurm", "jobs": 5}', "'jobs' is not a list"),
-    (b'{"launcher": "slurm", "jobs": [{"num": 0}]}', "job entry 0 has no str 'job_id'"),
-    (b'{"jobs": [{"num": "0", "job_id": "1", "overrides": [], "run_dir": "x"}]}',
-     "job entry 0 has no int 'num'"),
-]
-
-
-@pytest.mark.parametrize("content,words", UNREADABLE_RECORDS)
-def test_an_unreadable_submission_record_is_named_by_status(tmp_path, capsys, content,
-                                                            words) -> None:
-    sweep = tmp_path / "sweep"
-    job = _run_dir(tmp_path, {"status": "completed", "wall_s": 1.0}, steps=3)
-    (job / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=0.1\n")
-    sweep.mkdir()
-    job.rename(sweep / "0")
-    (sweep / "submission.json").write_bytes(content)
-    assert status.main([str(sweep)]) == 0
-    said = capsys.readouterr()
-    assert words in said.err, said.err
-    assert "the jobs are read from their run directories" in said.err
-    assert "job #0: completed" in said.out
-
-
 @on_the_cluster
 @pytest.mark.parametrize("content,words", [UNREADABLE_RECORDS[0], UNREADABLE_RECORDS[3]])
 def test_an_unreadable_submission_record_submits_nothing(tmp_path, content, words) -> None:
@@ -507,17 +364,3 @@ def test_a_submission_sbatch_refuses_is_one_line_with_sbatchs_words(tmp_path) ->
            "submission failed: Invalid partition name specified" in said, said[-3000:]
     # (sbatch's own lines came through before ours: told once, in our line)
     assert "sbatch: error" not in said and "Traceback" not in said
-
-
-def test_status_lists_the_jobs_of_a_sweep_by_number(tmp_path, capsys) -> None:
-    # (The sweep's summary ranks them best first; status goes by number, as submitted.)
-    sweep = tmp_path / "sweep"
-    sweep.mkdir()
-    for num, steps in ((0, 2), (1, 5), (2, 3)):  # job 1 is the best (val/acc 0.5)
-        job = _run_dir(tmp_path / f"made{num}", {"status": "completed", "wall_s": 1.0},
-                       steps=steps)
-        (job / ".hydra" / "overrides.yaml").write_text(f"- seed={num}\n")
-        job.rename(sweep / str(num))
-    assert status.main([str(sweep)]) == 0
-    jobs = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()[:3]]
-    assert jobs == ["job #0", "job #1", "job #2"]
