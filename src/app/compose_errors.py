@@ -18,7 +18,7 @@ import inspect
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,19 +159,22 @@ def option_line(e: MissingConfigException) -> str | None:
     return f"{where}{typed or f'{group}={name}'}: no such option{hint} ({known})"
 
 
-def _unparsable(arguments: list[str]) -> str | None:
-    """The first of the command's overrides that Hydra's grammar rejects."""
+def _command_overrides() -> Iterator[tuple[str, Any]]:
+    """Each override of the command as typed, with Hydra's parse of it (None: its grammar
+    rejects it); Hydra's own flags (--multirun, -cn ...) left out."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
-    for argument in arguments:
-        if argument.startswith("-"):  # (Hydra's own flags: --multirun, -cn ...)
-            continue
+    for argument in (a for a in sys.argv[1:] if not a.startswith("-")):
         try:
-            parser.parse_override(argument)
+            yield argument, parser.parse_override(argument)
         except HydraException:  # (one override's error is not an OverrideParseException)
-            return argument
-    return None
+            yield argument, None
+
+
+def _unparsable() -> str | None:
+    """The first of the command's overrides that Hydra's grammar rejects."""
+    return next((argument for argument, parsed in _command_overrides() if parsed is None), None)
 
 
 def parse_line(e: OverrideParseException) -> str:
@@ -179,7 +182,7 @@ def parse_line(e: OverrideParseException) -> str:
     rejects, which it reports over three lines, not always naming the override."""
     lines = [line for line in str(e).splitlines() if line and not line.startswith("See http")]
     named = re.match(r"Error parsing override '(.*)'$", lines[0]) if lines else None
-    override = named[1] if named else _unparsable(sys.argv[1:])
+    override = named[1] if named else _unparsable()
     reason = "; ".join(lines[1:] if named else lines) or "a syntax error"
     lexer = "LexerNoViableAltException: "  # (its next line's caret points at the character)
     if lines and lines[0].startswith(lexer) and len(lines) > 1 and lines[1].strip() == "^":
@@ -209,7 +212,7 @@ def override_line(e: Exception) -> str | None:
     if re.match(r"Could not delete ''", text):
         return "~: give the key or group to remove (~KEY)"
     if re.match(r"Config group override must be a string or a list", text):
-        argument, group = _group_given_no_name(sys.argv[1:])
+        argument, group = _group_given_no_name()
         if group:
             return (f"{argument}: {group} is a config group: give the name of one of its "
                     f"options ({group}=NAME)")
@@ -217,23 +220,16 @@ def override_line(e: Exception) -> str | None:
     return None
 
 
-def _group_given_no_name(arguments: list[str]) -> tuple[str | None, str]:
+def _group_given_no_name() -> tuple[str | None, str]:
     """The override that gives a config group something other than an option's name (or
     has no key), and the group."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     from app.conf_dir import config_dir
 
     groups = {p.name for p in config_dir().iterdir() if p.is_dir()}
-    parser = OverridesParser.create()
-    for argument in (a for a in arguments if not a.startswith("-")):
-        try:
-            override = parser.parse_override(argument)
-        except HydraException:
-            continue
-        if not override.key_or_group or (override.key_or_group in groups and not isinstance(
-                override.value(), str | list)):
-            return argument, override.key_or_group
+    for argument, parsed in _command_overrides():
+        if parsed is not None and (not parsed.key_or_group or (
+                parsed.key_or_group in groups and not isinstance(parsed.value(), str | list))):
+            return argument, parsed.key_or_group
     return None, ""
 
 

@@ -29,21 +29,12 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 def write_bytes_atomically(path: Path, data: bytes) -> None:
     """`write_text_atomically` for bytes (a picture drawn into memory first)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    began = False
-    try:
-        with open(tmp, "wb") as f:
-            began = True
-            f.write(data)
-            f.flush()
-            # On disk before the rename: after a power loss or a node crash the name holds
-            # the old file or the new one, never an empty one (these files are small and rare).
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        if began:
-            tmp.unlink(missing_ok=True)
-        raise write_failed(path, e) from e
+    with written_aside(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        # On disk before the rename: after a power loss or a node crash the name holds
+        # the old file or the new one, never an empty one (these files are small and rare).
+        os.fsync(f.fileno())
     with suppress(OSError):  # (best effort: some file systems refuse a folder's fsync)
         sync_dir(path.parent)
 
