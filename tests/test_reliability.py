@@ -121,6 +121,38 @@ def test_a_nonfinite_loss_stops_the_run_and_is_never_checkpointed(tmp_path) -> N
     assert all(torch.equal(last["model"][k], good["model"][k]) for k in good["model"])
 
 
+def test_the_loss_check_reads_the_device_once_per_ten_steps_one_step_late(monkeypatch) -> None:
+    """The losses are read back together (one stack, one copy), never the step just queued,
+    and the first non-finite one is named; `flush` reads them all."""
+    from app.training import step
+
+    reads: list[int] = []
+    stack = torch.stack
+    monkeypatch.setattr(step.torch, "stack",
+                        lambda tensors: reads.append(len(tensors)) or stack(tensors))
+    losses = step.FiniteLosses()
+    for i in range(1, 22):
+        losses.check(torch.tensor(1.0), i)
+    assert reads == [10, 10]  # at steps 11 and 21: steps 1-10, 11-20; step 21 not yet read
+    losses.flush()
+    assert reads == [10, 10, 1]
+    for i in range(22, 30):
+        losses.check(torch.tensor(float("inf") if i in (25, 27) else 1.0), i)
+    with pytest.raises(AppError, match="the training loss was inf at step 25"):
+        losses.flush()
+
+
+def test_a_nonfinite_loss_is_never_validated_or_logged(tmp_path) -> None:
+    """Between two reads of the losses, a validation reads them first: its metrics never come
+    from weights a non-finite loss made (nor does a logged loss)."""
+    run_dir = tmp_path / "run"
+    _fails(AppError, run_dir, *TINY, "trainer.log_every_n_steps=1000",
+           "trainer.val_every_n_steps=6", *NAN_AT_CALL_5,
+           words=("the training loss was nan at step 5",))
+    rows = (run_dir / "metrics.csv").read_text().splitlines()
+    assert rows[1:] == [], rows  # no validation (step 6) and no training row was logged
+
+
 def test_skip_nonfinite_skips_and_counts_the_step(tmp_path) -> None:
     result = run_job(tmp_path / "run", *TINY, "trainer.max_epochs=1",
                      "trainer.skip_nonfinite=true", *NAN_AT_CALL_5, user_code=HELPERS)

@@ -121,19 +121,22 @@ def test_a_rank_waiting_for_a_requeue_counts_as_ended() -> None:
         progress._left = False
 
 
-def test_a_wait_for_the_device_counts_as_waiting() -> None:
+def test_a_wait_for_the_device_counts_as_waiting(monkeypatch) -> None:
     """With NCCL the host waits for a slow rank at the app's own device syncs (the loss
-    check), not inside torch.distributed."""
-    from app.training.step import FiniteLosses
+    check's read-back), not inside torch.distributed."""
+    from app.training import step
 
     seen = []
 
     class Probe:
-        def __bool__(self) -> bool:
+        def tolist(self) -> list[float]:
             seen.append(watchdog._waits_for_others(None))
-            return True
+            return [1.0]
 
-    FiniteLosses._raise_unless_finite(Probe(), None, 1)
+    monkeypatch.setattr(step.torch, "stack", lambda tensors: Probe())
+    losses = step.FiniteLosses()
+    losses.check(None, 1)
+    losses.flush()
     assert seen == [True]
 
 

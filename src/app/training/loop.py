@@ -105,16 +105,18 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                 loss = train_step([next(micro_batches) for _ in range(accumulate)])
                 state.advance(steps_per_epoch)
                 if not t.skip_nonfinite:
-                    losses.check(loss, state.step)  # raises for an earlier step's non-finite loss
+                    losses.check(loss, state.step)  # raises for earlier steps' non-finite loss
                 for hook in callbacks.on_step_end:
                     hook(run, state.step, loss)
                 done = finished(state, t)
                 report.step_done()
                 if should_log(state, t, done):
+                    losses.flush()  # (the loss is read back here anyway)
                     report.train(loss, scheduler.get_last_lr()[0])
 
                 val_metrics, is_best = None, False
                 if should_validate(state, t, done):
+                    losses.flush()  # never a validation of weights a non-finite loss made
                     val_metrics, _ = validate(eval_model, val_loader, device)
                     is_best = improved(val_metrics[metric], state.best, t.monitor_mode)
                     if is_best:
@@ -129,8 +131,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
 
                 stopping = stop.should_stop()
                 if done or stopping or should_checkpoint(state, t, is_best):
-                    with progress.waiting():  # (a wait for the device, as at .item())
-                        losses.flush()  # never a checkpoint of weights a non-finite loss made
+                    losses.flush()  # never a checkpoint of weights a non-finite loss made
                     checkpoints.save(val_metrics, is_best, last=done or stopping)
                 if stopping:
                     stopped = Interrupted(

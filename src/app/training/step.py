@@ -4,6 +4,7 @@ clipping, the optimizer, scheduler and EMA updates. Everything with state is che
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -137,27 +138,36 @@ class TrainStep:
 
 class FiniteLosses:
     """Stops training at a non-finite loss, naming its step, without waiting for the device
-    each step: a step's check is read one step later (or before a checkpoint: `flush`)."""
+    at each step: the losses are read back together, one copy from the device for up to
+    `EVERY` steps, always one step late (so the host never waits for the step it has just
+    queued); and all of them at each point where the loop reads the device anyway (`flush`: a
+    logging step, a validation, a checkpoint), so no logged loss, validation or checkpoint
+    comes from weights a non-finite loss made. (One `torch.isfinite` and one read a step
+    cost a small model a tenth of its step: docs/development.md.)"""
+
+    EVERY = 10
 
     def __init__(self) -> None:
-        self.pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.pending: list[tuple[torch.Tensor, int]] = []
 
     def check(self, loss: torch.Tensor, step: int) -> None:
-        previous, self.pending = self.pending, (torch.isfinite(loss), loss, step)
-        if previous is not None:
-            self._raise_unless_finite(*previous)
+        self.pending.append((loss, step))
+        if len(self.pending) > self.EVERY:
+            self._raise_unless_finite(self.pending[:-1])
+            del self.pending[:-1]
 
     def flush(self) -> None:
-        if self.pending is not None:
-            self._raise_unless_finite(*self.pending)
-            self.pending = None
+        if self.pending:
+            self._raise_unless_finite(self.pending)
+            self.pending.clear()
 
     @staticmethod
-    def _raise_unless_finite(finite: torch.Tensor, loss: torch.Tensor, step: int) -> None:
+    def _raise_unless_finite(losses: list[tuple[torch.Tensor, int]]) -> None:
         with progress.waiting():  # a wait for the device (a slow rank's, with NCCL)
-            finite_value = bool(finite)
-        if not finite_value:
-            raise AppError(
-                f"the training loss was {loss.item()} at step {step}: training stopped, and no "
-                f"checkpoint was written after it. Lower optimizer.lr, check the data, or set "
-                f"trainer.skip_nonfinite=true to skip such steps")
+            values = torch.stack([loss for loss, _ in losses]).tolist()
+        for value, (_, step) in zip(values, losses, strict=True):
+            if not math.isfinite(value):
+                raise AppError(
+                    f"the training loss was {value} at step {step}: training stopped, and no "
+                    f"checkpoint was written after it. Lower optimizer.lr, check the data, or "
+                    f"set trainer.skip_nonfinite=true to skip such steps")
