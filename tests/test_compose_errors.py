@@ -73,14 +73,20 @@ def test_an_unknown_group_option_gets_the_nearest_and_the_list(monkeypatch, over
     assert explain(err.value) == line
 
 
-def test_a_file_that_names_an_unknown_option_is_named(tmp_path) -> None:
+def test_a_file_that_names_an_unknown_option_is_named(tmp_path, monkeypatch) -> None:
+    """Hydra says "In 'config'" (the primary config) for an experiment file's override: the
+    file the command chose is named, not another one that says the same."""
     (tmp_path / "experiment").mkdir()
-    (tmp_path / "experiment" / "old.yaml").write_text(
-        "# @package _global_\ndefaults:\n  - override /model: resnt\n")
+    for name in ("old", "other"):
+        (tmp_path / "experiment" / f"{name}.yaml").write_text(
+            "# @package _global_\ndefaults:\n  - override /model: resnt\n")
+    overrides = [f"hydra.searchpath=[file://{tmp_path}]", "+experiment=old"]
+    monkeypatch.setattr("sys.argv", ["app", *overrides])
     with pytest.raises(MissingConfigException) as err:
-        make_config(f"hydra.searchpath=[file://{tmp_path}]", "+experiment=old")
-    line = explain(err.value)
-    assert line is not None and "model=resnt: no such option; did you mean model=resnet?" in line
+        make_config(*overrides)
+    assert explain(err.value) == (
+        "experiment/old: model=resnt: no such option; did you mean model=resnet? "
+        "(options: cnn, mlp, resnet, timm, torchvision)")
 
 
 @pytest.mark.parametrize("argv,named,why", [

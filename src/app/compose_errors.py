@@ -156,7 +156,30 @@ def option_line(e: MissingConfigException) -> str | None:
         return f"{where}{group}=: no option given ({known})"
     # As typed: +experiment=nope, not experiment=nope.
     typed = next((a for a in sys.argv[1:] if a.lstrip("+") == f"{group}={name}"), None)
+    if typed is None and not where:  # (Hydra names the primary config for a file's override)
+        where = next((f"{f}: " for f in _chosen_files_choosing(group, name, text)), "")
     return f"{where}{typed or f'{group}={name}'}: no such option{hint} ({known})"
+
+
+def _chosen_files_choosing(group: str, name: str, text: str) -> Iterator[str]:
+    """The config files the command chose (`experiment=mine`: experiment/mine) whose defaults
+    list sets `group` to `name` (`override /model: nope`), as GROUP/OPTION, from the file
+    folders of the search path that Hydra's message lists."""
+    folders = [Path(f) for f in re.findall(r"path=file://(\S+)", text)]
+    keys = {group, f"/{group}", f"override {group}", f"override /{group}"}
+    for _, parsed in _command_overrides():
+        if parsed is None or not isinstance(parsed.value(), str):
+            continue
+        chosen = f"{parsed.key_or_group}/{parsed.value()}"
+        for folder in folders:
+            try:
+                loaded = yaml.safe_load((folder / f"{chosen}.yaml").read_text())
+            except (OSError, yaml.YAMLError):
+                continue
+            defaults = loaded.get("defaults") if isinstance(loaded, dict) else None
+            if any(isinstance(d, dict) and any(k in keys and v == name for k, v in d.items())
+                   for d in defaults or []):
+                yield chosen
 
 
 def _command_overrides() -> Iterator[tuple[str, Any]]:
