@@ -28,6 +28,11 @@ MISSPELT = [
     # Nothing near: a typed section points to its keys, a `_target_` node to the `+` form.
     (["trainer.zzz=1"], "`python -m app --cfg job --package trainer` prints its keys"),
     (["model.newkey=1"], "to pass a new argument to app.models.CNN, write +model.newkey=1"),
+    # A mapping of the user's own keys: a new one takes a `+`.
+    (["hydra.sweeper.params.seed='1,2'"], "hydra.sweeper.params.seed: hydra.sweeper.params has "
+     "no key seed yet; a new key takes a +: +hydra.sweeper.params.seed='1,2'"),
+    (["hydra.sweeper.params={seed:'1,2'}"], "a new key takes a +: "
+     "+hydra.sweeper.params={seed:'1,2'}"),
 ]
 
 
@@ -249,3 +254,12 @@ def test_a_misspelt_key_in_a_config_file_names_the_file_and_the_nearest_key(tmp_
     error = _composition_error(f"hydra.searchpath=[file://{tmp_path}]", "+experiment=mine")
     assert explain(error) == ("experiment/mine: trainer.max_stepz: no such key; did you mean "
                               "trainer.max_steps?")
+
+
+def test_a_sweep_of_hydras_own_settings_says_to_quote_the_commas() -> None:
+    # (Hydra's message, raised as Hydra raises it in --multirun, with the advice added.)
+    error = ConfigCompositionException("Sweeping over Hydra's configuration is not supported : "
+                                       "'+hydra.sweeper.params.seed=1,2'")
+    assert explain(error) == (
+        "+hydra.sweeper.params.seed=1,2: Hydra's own settings cannot be swept; if the commas "
+        "belong to the value, quote it: +hydra.sweeper.params.seed='1,2'")

@@ -64,6 +64,18 @@ def test_jobs_with_the_same_overrides_each_run_in_their_own_directory(tmp_path) 
     assert [r["status"] for r in _summary(tmp_path / "sweep")] == ["completed", "completed"]
 
 
+def test_sweeper_params_given_on_the_command_line_are_swept(tmp_path) -> None:
+    # (hydra.sweeper.params is null in Hydra's basic sweeper, which took no key from the
+    # command line: a traceback.)
+    proc, jobs = multirun(tmp_path, "+hydra.sweeper.params.seed='1,2'", *TINY,
+                          "trainer.max_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _summary(tmp_path / "sweep")
+    assert len(jobs) == 2 and [r["status"] for r in rows] == ["completed", "completed"]
+    assert sorted(o for r in rows for o in r["overrides"].split() if o.startswith("seed=")) == [
+        "seed=1", "seed=2"]
+
+
 def test_failed_job_is_listed_and_the_sweep_goes_on(tmp_path) -> None:
     proc, jobs = multirun(tmp_path, "model._target_=faults.FaultyCNN", "+model.fault=raise,none",
                           "+model.fault_rank=0", *TINY, "trainer.max_epochs=1")

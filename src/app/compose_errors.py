@@ -101,6 +101,9 @@ def missing_key_line(override: str, value: str | None, cause: Exception) -> str 
     if target is not None:  # a new argument of the target is legitimate, with `+`
         return (f"{override}: no such key in {section} (keys: {', '.join(keys)}); to pass "
                 f"a new argument to {target}, write +{override}{shown}")
+    if OmegaConf.get_type(parent) is dict and prefix:  # a mapping of the user's own keys
+        return (f"{override}: {section} has no key {key} yet; a new key takes a +: "
+                f"+{override}{shown}")
     listing = f"`python -m app --cfg job --package {section}`" if prefix else \
         "`python -m app --cfg job`"
     return f"{override}: no such key in {section}; {listing} prints its keys"
@@ -295,6 +298,11 @@ def explain(e: BaseException) -> str | None:
         section = key.rpartition(".")[0] or "the config"
         return (f"~{key}: the keys of {section} cannot be removed (a typed section); set it "
                 f"instead: {key}=VALUE")
+    swept = re.match(r"Sweeping over Hydra's configuration is not supported : '(.*)'$", str(e))
+    if isinstance(e, ConfigCompositionException) and swept:
+        key, _, value = swept[1].partition("=")
+        return (f"{swept[1]}: Hydra's own settings cannot be swept; if the commas belong to the "
+                f"value, quote it: {key}='{value}'")
     if isinstance(e, ConfigCompositionException | ValueError) and (line := override_line(e)):
         return line
     if isinstance(e, ConfigCompositionException) and isinstance(
