@@ -93,6 +93,23 @@ def test_predict_on_npy_and_image_folder(trained, tmp_path) -> None:
     assert sum(r["pred"] != p for r, p in zip(from_pngs, reference, strict=True)) <= 1
 
 
+def test_predict_warns_about_an_array_far_outside_the_datas_range(tmp_path, caplog) -> None:
+    """Digits as sklearn ships them (0 to 16), where the model saw 0 to 1: a warning that
+    names both ranges; the validation images themselves: none."""
+    from app.modes.predict import load_inputs
+    from app.training.build import build_data
+
+    data = build_data(make_config())
+    images = data.val.tensors[0][:10].numpy()
+    for name, array, warned in (("scaled", images, False), ("raw", images * 16, True)):
+        np.save(tmp_path / f"{name}.npy", array)
+        caplog.clear()
+        load_inputs(str(tmp_path / f"{name}.npy"), data)
+        lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert bool(lines) == warned, lines
+    assert "values from 0 to 16, far outside the validation data's (0 to 1)" in lines[0]
+
+
 def test_export_round_trip(trained, tmp_path) -> None:
     ckpt = trained / "checkpoints" / "best.pt"
     result = assert_ok(run_app(tmp_path / "export", "trainer=export", f"ckpt={ckpt}",
@@ -213,7 +230,10 @@ def _corrupt_inputs(tmp_path) -> dict[str, tuple[Path, str]]:
               "no samples": (np.zeros((0, 8, 8), np.float32), "holds no samples"),
               "strings": (np.full((2, 8, 8), "0.5"), "an array of strings"),
               "complex": (np.zeros((2, 8, 8), complex), "complex numbers"),
-              "truncated": (np.zeros((4, 8, 8), np.float32), "not a readable .npy")}
+              "truncated": (np.zeros((4, 8, 8), np.float32), "not a readable .npy"),
+              "not finite": (np.array([np.zeros((8, 8)), np.full((8, 8), np.nan),
+                                       np.full((8, 8), np.inf)]),
+                             "2 of 3 samples hold NaN or infinite values (the first: sample 1)")}
     for name, (content, words) in arrays.items():
         path = tmp_path / f"{name.replace(' ', '_')}.npy"
         if isinstance(content, bytes):

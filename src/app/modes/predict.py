@@ -51,7 +51,27 @@ def _from_npy(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
             f"predict.input={path}: arrays of shape {list(array.shape)}, the model takes "
             f"(N, {', '.join(map(str, shape))})"
         )
-    return torch.from_numpy(array.astype(np.float32))
+    x = torch.from_numpy(array.astype(np.float32))
+    bad = (~torch.isfinite(x.flatten(1))).any(1).nonzero().flatten()
+    if len(bad):
+        raise UserError(f"predict.input={path}: {len(bad)} of {len(x)} samples hold NaN or "
+                        f"infinite values (the first: sample {int(bad[0])}); the model's "
+                        f"labels for them would mean nothing")
+    return x
+
+
+def _warn_unless_in_range(x: torch.Tensor, data: DataModule, path: Path) -> None:
+    """An array is taken as the model takes its inputs, unscaled: a warning when its values
+    lie far outside the validation data's (pixels of 0 to 255, or 0 to 16, where the model saw
+    0 to 1): labels that mean nothing, but no error (the values may be right)."""
+    seen = next(iter(DataLoader(data.val, batch_size=64)))[0]
+    low, high = float(seen.min()), float(seen.max())
+    span = high - low or 1.0
+    if float(x.min()) < low - span or float(x.max()) > high + span:
+        log.warning("predict.input=%s: values from %.4g to %.4g, far outside the validation "
+                    "data's (%.4g to %.4g): the array is taken as the model's input as it is "
+                    "(not scaled), so its labels may mean nothing", path, float(x.min()),
+                    float(x.max()), low, high)
 
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor | None]]  # inputs, labels or None
@@ -107,6 +127,7 @@ def load_inputs(source: str | None, data: DataModule) -> Inputs:
         return _files([path], data, path)
     if path.is_file() and path.suffix == ".npy":
         x = _from_npy(path, data.input_shape)
+        _warn_unless_in_range(x, data, path)
         return Inputs([f"{path.name}[{i}]" for i in range(len(x))],
                       lambda size: ((batch, None) for batch in x.split(size)))
     raise UserError(f"predict.input={source}: expected a folder of images, an image or a .npy "
