@@ -64,11 +64,12 @@ ALL = [(_rel(page), command) for page in PAGES
 
 
 def _overrides(words: list[str]) -> list[str]:
-    """The overrides after `-m app`; of a sweep (a=1,2) the first job's."""
+    """The overrides after `-m app`; of a sweep (a=1,2) the first job's (a quoted '1,2' is
+    one value)."""
     words = words[words.index("app") + 1:]
     if "--cfg" in words:
         del words[words.index("--cfg") + 1]  # (its argument: job, hydra or all)
-    return [re.sub(r"=([^,\[]*),.*", r"=\1", w) if "=" in w else w
+    return [re.sub(r"=([^,\['\"]*),.*", r"=\1", w) if "=" in w else w
             for w in words if not w.startswith("-")]
 
 

@@ -156,14 +156,19 @@ def barrier() -> None:
 
 
 def _all_reduce(value: torch.Tensor, op: Any) -> torch.Tensor:
-    """`value` reduced with `op` over all ranks (a new tensor; `value` is left alone)."""
+    """`value` reduced with `op` over all ranks: a new tensor (`value` is left alone), or with
+    one process `value` itself (no copy: a device op less on each logging step), to be read,
+    not changed."""
+    if not initialized():
+        return value
     out = value.clone()
-    if initialized():
-        tdist.all_reduce(out, op=op)
+    tdist.all_reduce(out, op=op)
     return out
 
 
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    if not initialized():
+        return value
     return _all_reduce(value, tdist.ReduceOp.SUM) / world_size()
 
 
