@@ -21,7 +21,7 @@ from app import progress
 from app.errors import WorkerFailed
 from app.launch import stacks, watchdog
 from app.launch.stacks import DUMP_SIGNAL
-from app.launch.watchdog import Peer, describe, judge
+from app.launch.stall_rules import Peer, describe, judge, waits_for_others
 from conftest import HELPERS, REPO, TINY, alive, read_metrics, run_job, wait_for_rows, worker_pids
 
 STALL = 10.0
@@ -130,7 +130,7 @@ def test_a_wait_for_the_device_counts_as_waiting(monkeypatch) -> None:
 
     class Probe:
         def tolist(self) -> list[float]:
-            seen.append(watchdog._waits_for_others(None))
+            seen.append(waits_for_others(None))
             return [1.0]
 
     monkeypatch.setattr(step.torch, "stack", lambda tensors: Probe())
@@ -178,14 +178,14 @@ def test_what_counts_as_waiting_for_the_other_ranks() -> None:
         return SimpleNamespace(f_code=SimpleNamespace(co_name=name, co_filename=path))
 
     torch_dir = os.path.join("site-packages", "torch")
-    assert watchdog._waits_for_others(frame("all_reduce", os.path.join(
+    assert waits_for_others(frame("all_reduce", os.path.join(
         torch_dir, "distributed", "distributed_c10d.py")))
-    assert watchdog._waits_for_others(frame("_engine_run_backward", os.path.join(
+    assert waits_for_others(frame("_engine_run_backward", os.path.join(
         torch_dir, "autograd", "graph.py")))  # DDP's gradient all-reduce
-    assert not watchdog._waits_for_others(frame("forward", "/work/models.py"))
-    assert not watchdog._waits_for_others(None)
+    assert not waits_for_others(frame("forward", "/work/models.py"))
+    assert not waits_for_others(None)
     with progress.waiting():  # an asynchronous collective's wait()
-        assert watchdog._waits_for_others(frame("should_stop", "/work/stop.py"))
+        assert waits_for_others(frame("should_stop", "/work/stop.py"))
 
 
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
