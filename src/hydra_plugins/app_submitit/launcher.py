@@ -27,7 +27,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
@@ -63,6 +63,12 @@ def _sigterm_as_interrupt(active: bool) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _stopped(e: KeyboardInterrupt, what: str) -> NoReturn:
+    terminated = isinstance(e, _Terminated)
+    log.error("stopped by %s: %s", "SIGTERM" if terminated else "SIGINT (Ctrl-C)", what)
+    sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
+
+
 class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
     def __init__(self, **params: Any) -> None:
         # app's own options, not submitit's (they must not reach its executor).
@@ -84,8 +90,12 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         if not self.wait:
             self._refuse_sweepers_that_need_results()
         try:
-            self.composed = {initial_job_idx + i: self._compose_and_validate(
-                list(o), initial_job_idx + i) for i, o in enumerate(job_overrides)}
+            with _sigterm_as_interrupt(True):
+                self.composed = {initial_job_idx + i: self._compose_and_validate(
+                    list(o), initial_job_idx + i) for i, o in enumerate(job_overrides)}
+        except KeyboardInterrupt as e:  # (a large sweep composes for a while: ~0.1 s a job)
+            _stopped(e, f"nothing {'more ' if initial_job_idx else ''}was submitted (the "
+                        f"jobs' configs were being composed)")
         finally:
             self._forget_composed()
         nums = sorted(self.composed)
@@ -128,10 +138,7 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
             from ._job_report import report_left
 
             report_left(jobs, self._run_dir)
-            code = 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
-            log.error("stopped by %s: the waiting ended, not the jobs",
-                      "SIGTERM" if code == 128 + signal.SIGTERM else "SIGINT (Ctrl-C)")
-            sys.exit(code)
+            _stopped(e, "the waiting ended, not the jobs")
 
     def _executor(self, submitit: Any) -> Any:
         """submitit's executor, set up as in the stock launcher: plugin keys that are not shared
