@@ -153,6 +153,17 @@ def test_a_nonfinite_loss_is_never_validated_or_logged(tmp_path) -> None:
     assert rows[1:] == [], rows  # no validation (step 6) and no training row was logged
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_with_two_ranks_the_first_nonfinite_step_is_named_whichever_rank_had_it(
+        tmp_path, rank) -> None:
+    """The other rank's loss turns NaN a step later (the averaged gradients carry it there):
+    every rank reads the same losses, so the error names step 5 whichever rank fails first."""
+    _fails(WorkerFailed, tmp_path / "run", *TINY, "devices=2", "trainer.max_steps=30",
+           "model._target_=faults.FaultyCNN", "+model.fault=nan_loss",
+           f"+model.fault_rank={rank}",
+           words=("the training loss was nan at step 5 on one rank at least",))
+
+
 def test_skip_nonfinite_skips_and_counts_the_step(tmp_path) -> None:
     result = run_job(tmp_path / "run", *TINY, "trainer.max_epochs=1",
                      "trainer.skip_nonfinite=true", *NAN_AT_CALL_5, user_code=HELPERS)

@@ -163,11 +163,18 @@ class FiniteLosses:
 
     @staticmethod
     def _raise_unless_finite(losses: list[tuple[torch.Tensor, int]]) -> None:
+        stacked = torch.stack([loss for loss, _ in losses])
+        if dist.world_size() > 1:
+            # Every rank reads the same losses (a NaN of any rank's makes the sum's NaN), so
+            # every rank names the same first bad step: another rank's loss turns NaN a step
+            # after the averaged gradients carried it there.
+            stacked = dist.all_reduce_sum(stacked)
         with progress.waiting():  # a wait for the device (a slow rank's, with NCCL)
-            values = torch.stack([loss for loss, _ in losses]).tolist()
+            values = stacked.tolist()
+        where = " on one rank at least" if dist.world_size() > 1 else ""
         for value, (_, step) in zip(values, losses, strict=True):
             if not math.isfinite(value):
                 raise AppError(
-                    f"the training loss was {value} at step {step}: training stopped, and no "
-                    f"checkpoint was written after it. Lower optimizer.lr, check the data, or "
-                    f"set trainer.skip_nonfinite=true to skip such steps")
+                    f"the training loss was {value} at step {step}{where}: training stopped, "
+                    f"and no checkpoint was written after it. Lower optimizer.lr, check the "
+                    f"data, or set trainer.skip_nonfinite=true to skip such steps")
