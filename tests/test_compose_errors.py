@@ -263,3 +263,19 @@ def test_a_sweep_of_hydras_own_settings_says_to_quote_the_commas() -> None:
     assert explain(error) == (
         "+hydra.sweeper.params.seed=1,2: Hydra's own settings cannot be swept; if the commas "
         "belong to the value, quote it: +hydra.sweeper.params.seed='1,2'")
+
+
+@pytest.mark.parametrize("swept, line", [
+    ("hydra/launcher=basic,submitit_local", "hydra/launcher=basic,submitit_local: Hydra's own "
+     "settings cannot be swept"),  # (a group's choice: quoting it names no option)
+    ("hydra.run.dir='a',b", "hydra.run.dir='a',b: Hydra's own settings cannot be swept")])
+def test_no_quoting_advice_where_quotes_cannot_help(swept: str, line: str) -> None:
+    error = ConfigCompositionException(
+        f"Sweeping over Hydra's configuration is not supported : '{swept}'")
+    assert explain(error) == line
+
+
+def test_a_hydra_setting_points_to_the_hydra_configs_keys() -> None:
+    line = explain(_composition_error("hydra.launcher.nope=1"))
+    assert line is not None and line.endswith(
+        "`python -m app --cfg hydra --package hydra.launcher` prints its keys"), line

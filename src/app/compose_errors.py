@@ -104,7 +104,8 @@ def missing_key_line(override: str, value: str | None, cause: Exception) -> str 
     if OmegaConf.get_type(parent) is dict and prefix:  # a mapping of the user's own keys
         return (f"{override}: {section} has no key {key} yet; a new key takes a +: "
                 f"+{override}{shown}")
-    listing = f"`python -m app --cfg job --package {section}`" if prefix else \
+    which = "hydra" if section == "hydra" or section.startswith("hydra.") else "job"
+    listing = f"`python -m app --cfg {which} --package {section}`" if prefix else \
         "`python -m app --cfg job`"
     return f"{override}: no such key in {section}; {listing} prints its keys"
 
@@ -301,8 +302,10 @@ def explain(e: BaseException) -> str | None:
     swept = re.match(r"Sweeping over Hydra's configuration is not supported : '(.*)'$", str(e))
     if isinstance(e, ConfigCompositionException) and swept:
         key, _, value = swept[1].partition("=")
-        return (f"{swept[1]}: Hydra's own settings cannot be swept; if the commas belong to the "
-                f"value, quote it: {key}='{value}'")
+        line = f"{swept[1]}: Hydra's own settings cannot be swept"
+        if "/" in key or "'" in value or '"' in value:  # a group's choice; a quoted value
+            return line
+        return f"{line}; if the commas belong to the value, quote it: {key}='{value}'"
     if isinstance(e, ConfigCompositionException | ValueError) and (line := override_line(e)):
         return line
     if isinstance(e, ConfigCompositionException) and isinstance(
