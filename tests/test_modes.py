@@ -233,7 +233,9 @@ def _corrupt_inputs(tmp_path) -> dict[str, tuple[Path, str]]:
               "truncated": (np.zeros((4, 8, 8), np.float32), "not a readable .npy"),
               "not finite": (np.array([np.zeros((8, 8)), np.full((8, 8), np.nan),
                                        np.full((8, 8), np.inf)]),
-                             "2 of 3 samples hold NaN or infinite values (the first: sample 1)")}
+                             "2 of 3 samples hold NaN or infinite values (the first: sample 1)"),
+              "beyond float32": (np.array([np.zeros((8, 8)), np.full((8, 8), 1e39)]),
+                                 "1 of 2 samples hold values beyond float32's range")}
     for name, (content, words) in arrays.items():
         path = tmp_path / f"{name.replace(' ', '_')}.npy"
         if isinstance(content, bytes):

@@ -51,13 +51,27 @@ def _from_npy(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
             f"predict.input={path}: arrays of shape {list(array.shape)}, the model takes "
             f"(N, {', '.join(map(str, shape))})"
         )
-    x = torch.from_numpy(array.astype(np.float32))
-    bad = (~torch.isfinite(x.flatten(1))).any(1).nonzero().flatten()
-    if len(bad):
-        raise UserError(f"predict.input={path}: {len(bad)} of {len(x)} samples hold NaN or "
-                        f"infinite values (the first: sample {int(bad[0])}); the model's "
-                        f"labels for them would mean nothing")
+    _refuse_unless_finite(array, path, "hold NaN or infinite values")
+    with np.errstate(over="ignore"):  # (said below, by sample)
+        x = torch.from_numpy(array.astype(np.float32, copy=False))
+    _refuse_unless_finite(x.numpy(), path, "hold values beyond float32's range, the model's "
+                          "input type")
     return x
+
+
+def _refuse_unless_finite(array: np.ndarray, path: Path, what: str) -> None:
+    """Samples with a value that is not finite, counted a block at a time (a copy of a large
+    array's flags would double its memory)."""
+    if array.dtype.kind not in "fc":
+        return
+    bad, block = [], 65536
+    for start in range(0, len(array), block):
+        flags = ~np.isfinite(array[start:start + block].reshape(
+            min(block, len(array) - start), -1)).all(1)
+        bad += (np.flatnonzero(flags) + start).tolist()
+    if bad:
+        raise UserError(f"predict.input={path}: {len(bad)} of {len(array)} samples {what} (the "
+                        f"first: sample {bad[0]}); the model's labels for them would mean nothing")
 
 
 def _warn_unless_in_range(x: torch.Tensor, data: DataModule, path: Path) -> None:
