@@ -74,6 +74,10 @@ def test_sweeper_params_given_on_the_command_line_are_swept(tmp_path) -> None:
     assert len(jobs) == 2 and [r["status"] for r in rows] == ["completed", "completed"]
     assert sorted(o for r in rows for o in r["overrides"].split() if o.startswith("seed=")) == [
         "seed=1", "seed=2"]
+    # Other values into the same sweep directory: refused, as for a sweep typed as seed=3,4.
+    proc, _ = multirun(tmp_path, "+hydra.sweeper.params.seed='3,4'", *TINY, "trainer.max_steps=2")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "was used by a sweep of other values" in proc.stdout + proc.stderr
 
 
 def test_failed_job_is_listed_and_the_sweep_goes_on(tmp_path) -> None:

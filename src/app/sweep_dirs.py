@@ -52,8 +52,11 @@ def basic_sweep_jobs(config: DictConfig) -> dict[int, list[str]] | None:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    # As the basic sweeper builds them: hydra.sweeper.params first, then the command's.
+    params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
     parsed = OverridesParser.create().parse_overrides(
-        OmegaConf.to_container(config.hydra.overrides.task, resolve=False))  # (as typed)
+        [f"{k}={v}" for k, v in params.items()]
+        + OmegaConf.to_container(config.hydra.overrides.task, resolve=False))  # (as typed)
     jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
     return dict(enumerate(jobs))
 
