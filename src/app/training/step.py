@@ -142,8 +142,9 @@ class FiniteLosses:
     `EVERY` steps, always one step late (so the host never waits for the step it has just
     queued); and all of them at each point where the loop reads the device anyway (`flush`: a
     logging step, a validation, a checkpoint), so no logged loss, validation or checkpoint
-    comes from weights a non-finite loss made. (One `torch.isfinite` and one read a step
-    cost a small model a tenth of its step: docs/development.md.)"""
+    comes from weights a non-finite loss made. With several ranks the read is of the losses
+    summed over the ranks. (A `torch.isfinite` and a read every step cost a small model about a
+    tenth of its step: `make bench`, "the loop's own work".)"""
 
     EVERY = 10
 
