@@ -82,7 +82,9 @@ class Callback:
     def on_train_start(self, run: Run) -> None: ...
 
     def on_step_end(self, run: Run, step: int, loss: torch.Tensor) -> None:
-        """`loss` is this rank's, still on the device: `.item()` here would wait for it."""
+        """`loss` is this rank's, still on the device: `.item()` here would wait for it. It is
+        not checked yet: a non-finite loss stops the run up to 9 steps later (the loop reads
+        the losses back in batches), so this hook may see a few non-finite ones first."""
 
     def on_log(self, run: Run, step: int, metrics: dict[str, float]) -> None:
         """Add entries to `metrics` to have them logged with the step's loss and lr."""
