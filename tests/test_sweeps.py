@@ -222,6 +222,17 @@ def test_summary_counts_every_attempt_and_the_step_a_job_failed_at(tmp_path) -> 
     assert (sweep / "1" / "plots" / "curves.png").is_file()  # drawn by the summary
 
 
+def test_summary_shows_bools_as_typed(tmp_path) -> None:
+    """Hydra's sweeper writes a typed `false` into overrides.yaml as Python's `False`."""
+    from app.reporting.summary import collect
+
+    for num, ema in enumerate(["False", "True"]):
+        _job_dir(tmp_path, num, [f"trainer.ema={ema}", "trainer.progress_bar=False"], [], None)
+    jobs = {job["job"]: job for job in collect(tmp_path)}
+    assert jobs["0"]["overrides"] == "trainer.ema=false trainer.progress_bar=false"
+    assert jobs["1"]["params"] == {"trainer.ema": "true"}
+
+
 def test_a_job_that_fails_mid_training_has_its_step_and_curves(tmp_path) -> None:
     # lr=1e6 makes the loss NaN within a few steps, before the first logged row (every 10).
     proc, _ = multirun(tmp_path, "optimizer.lr=0.003,1e6", *TINY, "trainer.max_epochs=1",

@@ -99,7 +99,9 @@ def overrides_of(run_dir: Path) -> list[str]:
     """The run's command-line overrides, Hydra's own left out."""
     path = run_dir / ".hydra" / "overrides.yaml"
     found = OmegaConf.load(path) if path.is_file() else []
-    return [str(o) for o in found if not str(o).lstrip("+~").startswith("hydra.")]
+    # Hydra's sweeper writes a bool typed `false` back as Python's `False`: shown as typed.
+    return [re.sub(r"=(True|False)$", lambda m: f"={m[1].lower()}", str(o)) for o in found
+            if not str(o).lstrip("+~").startswith("hydra.")]
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
