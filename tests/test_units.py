@@ -236,12 +236,18 @@ def test_the_worker_server_ignores_ctrl_c_while_it_imports_torch() -> None:
     import app.launch.spawn as spawn
     from app._private import forkserver_pid
 
-    spawn.prestart(make_config("devices=2"))
+    def ours(signum: int, frame: object) -> None: ...
+
+    previous = signal.signal(signal.SIGINT, ours)
+    try:
+        spawn.prestart(make_config("devices=2"))
+        assert signal.getsignal(signal.SIGINT) is ours  # put back
+    finally:
+        signal.signal(signal.SIGINT, previous)
     pid = forkserver_pid()
     status = Path(f"/proc/{pid}/status").read_text()
     ignored = int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
     assert ignored & (1 << (signal.SIGINT - 1)), status
-    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # ours is put back
 
 
 def test_the_resume_hint_names_the_sweep_for_a_job_of_a_sweep(tmp_path) -> None:
