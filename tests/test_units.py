@@ -131,12 +131,17 @@ def test_csv_logger_widens_and_truncates_on_resume(tmp_path) -> None:
     log.log(1, 0, "train", {"loss": 2.0, "lr": 0.1})
     log.log(2, 0, "val", {"loss": 1.5, "acc": 0.5})
     log.log(3, 0, "train", {"loss": 1.0, "lr": 0.1})
-    header = path.read_text().splitlines()[0]
-    assert header == "step,epoch,split,loss,lr,acc"
+    # The earlier rows are kept, read back from the file (not from memory) at the widening.
+    assert path.read_text().splitlines() == [
+        "step,epoch,split,loss,lr,acc", "1,0,train,2.0,0.1,", "2,0,val,1.5,,0.5",
+        "3,0,train,1.0,0.1,"]
     resumed = CSVLogger(path, resume_step=2)
     resumed.log(3, 0, "train", {"loss": 0.9, "lr": 0.1})
     lines = path.read_text().splitlines()
     assert len(lines) == 4 and lines[-1].startswith("3,0,train,0.9")
+    path.unlink()  # removed by hand: the next new column starts a new table
+    resumed.log(4, 0, "val", {"top5": 1.0})
+    assert path.read_text().splitlines() == ["step,epoch,split,loss,lr,acc,top5", "4,0,val,,,,1.0"]
 
 
 def test_csv_logger_drops_a_partial_last_line_on_resume(tmp_path) -> None:

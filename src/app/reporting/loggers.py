@@ -28,38 +28,41 @@ class CSVLogger:
 
     def __init__(self, path: Path, resume_step: int | None = None) -> None:
         self.path = path
-        self.rows: list[dict[str, Any]] = []
         self.columns = list(KEY_COLUMNS)
+        rows: list[dict[str, Any]] = []
         if resume_step is not None and path.is_file():
-            text = path.read_text()
             # A run killed while appending can leave a partial last line: it is dropped.
-            lines = text.splitlines(keepends=True)
+            lines = path.read_text().splitlines(keepends=True)
             if lines and not lines[-1].endswith("\n"):
                 lines.pop()
             reader = csv.DictReader(lines)
             self.columns = list(reader.fieldnames or KEY_COLUMNS)
-            self.rows = [r for r in reader if int(r["step"]) <= resume_step]
-        self._rewrite()
+            rows = [r for r in reader if int(r["step"]) <= resume_step]
+        self._rewrite(rows)
 
-    def _rewrite(self) -> None:
+    def _rewrite(self, rows: list[dict[str, Any]]) -> None:
         # Written aside and renamed: a kill mid-write leaves the previous table, not half of it.
         text = io.StringIO(newline="")
         writer = csv.DictWriter(text, fieldnames=self.columns)
         writer.writeheader()
-        writer.writerows(self.rows)
+        writer.writerows(rows)
         write_text_atomically(self.path, text.getvalue())
 
     def log(self, step: int, epoch: int, split: str, metrics: dict[str, float]) -> None:
         row = {"step": step, "epoch": epoch, "split": split, **metrics}
         new = [k for k in metrics if k not in self.columns]
         if new:
-            self.rows.append(row)
+            # The rows are read back from the file, not kept: a long run logs millions.
+            try:
+                with open(self.path, newline="") as f:
+                    rows = list(csv.DictReader(f))
+            except FileNotFoundError:  # (removed by hand: the table starts again)
+                rows = []
             self.columns += new
-            self._rewrite()
+            self._rewrite([*rows, row])
             return
         with appending(self.path) as f:  # a failed append leaves no partial row
             csv.DictWriter(f, fieldnames=self.columns).writerow(row)
-        self.rows.append(row)
 
 
 def output_root(run_dir: Path) -> Path:
