@@ -22,6 +22,7 @@ from app.config import register_schemas, to_app_config
 from app.env import enter, reproducible_matmuls, this_process
 from app.errors import AppError, Interrupted, RunDirInUse, UserError, one_line
 from app.from_run import apply_run
+from app.launch import run_record
 from app.launch.completed import stop_signals_stop_nothing
 from app.launch.plan import launch, spawns_workers
 from app.launch.run_lock import owns_run, take
@@ -90,7 +91,9 @@ def main(dict_cfg: DictConfig) -> float | None:
             write_result(run_dir, "completed", time.monotonic() - started)
     except BaseException as e:
         stopped = isinstance(e, (Interrupted, KeyboardInterrupt))  # by a signal
-        if record and not isinstance(e, RunDirInUse):  # (then the run is another command's)
+        # (RunDirInUse: the run is another command's. A command that trained nothing leaves
+        # the record of the run there as it was.)
+        if record and not isinstance(e, RunDirInUse) and not run_record.put_back(run_dir):
             write_result(run_dir, "interrupted" if stopped else "failed",
                          time.monotonic() - started, one_line(e), raise_errors=False)
         if lock is not None:

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from app.env import ProcessEnv, this_process
 from app.errors import RunDirInUse
+from app.launch import run_record
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +223,11 @@ def claim_for_run(config: DictConfig) -> None:
     # Pinned: Hydra resolves it again for the job, and a name made from the clock would differ.
     with read_write(config.hydra.run):
         config.hydra.run.dir = str(OmegaConf.select(config, "hydra.run.dir"))
+    if not config.hydra.run.dir.strip():
+        # (What `hydra.run.dir=$DIR` gives with DIR unset: the current folder would be the run's.)
+        print("hydra.run.dir is empty: give the run's directory, or leave it out for a new "
+              "one under outputs/", file=sys.stderr)
+        sys.exit(2)
     run_dir = Path(os.path.abspath(config.hydra.run.dir))
     lock = RunLock(run_dir)
     try:
@@ -230,6 +236,7 @@ def claim_for_run(config: DictConfig) -> None:
         print(e, file=sys.stderr)
         sys.exit(e.exit_code)  # (SystemExit passes Hydra's handler: no traceback)
     _claimed[run_dir] = lock
+    run_record.keep(run_dir)  # (a command that fails before it trains puts it back)
 
 
 def claim_for_job(run_dir: Path, machine_rank: int) -> bool:

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from app import dist
 from app.config import AppConfig, Mode
 from app.env import ProcessEnv, enter, spawned
-from app.errors import AppError, Interrupted, WorkerFailed, one_line
+from app.errors import AppError, Interrupted, UserError, WorkerFailed, one_line
 from app.launch import watchdog
 from app.launch.rank_logs import FAILURE_LOGGER, setup_rank_logging
 from app.launch.run_lock import hold_as_worker
@@ -84,9 +84,10 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
                 watchdog.hold_if_stalled(0 if isinstance(e, AppError) else 2 * guard.interval + 1)
             _record_failure(run_dir, me.rank, e)  # (before this rank's exit ends its peers)
             # A stop is no failure: every rank saved and stopped at the same step, and the
-            # launcher tells that from each rank's own Interrupted.
+            # launcher tells that from each rank's own Interrupted. A UserError is rank 0's own
+            # finding (the same one as its peer's, as a rule), not a broken collective.
             first = _first_failure(run_dir, started) if me.rank == 0 and not isinstance(
-                e, Interrupted) else None
+                e, Interrupted | UserError) else None
             if first is not None and first["rank"] != 0:
                 # Rank 0's own error is the collective its peer's end broke: the run's record
                 # (result.json, summaries, app.status) names the cause instead.

@@ -165,6 +165,10 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from app.sweep_dirs import refuse_other_values
 
+        if not str(config.hydra.sweep.dir).strip():  # (`hydra.sweep.dir=$DIR`, DIR unset)
+            print("hydra.sweep.dir is empty: give the sweep's directory, or leave it out for "
+                  "a new one under outputs/multirun/", file=sys.stderr)
+            sys.exit(2)
         refuse_other_values(config, log)
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
