@@ -19,7 +19,8 @@ def _record(run_dir) -> dict[str, bytes]:
 
 def test_a_refused_command_leaves_the_run_s_record_as_it_was(tmp_path) -> None:
     run_dir = tmp_path / "run"
-    assert_ok(run_app(run_dir, *TINY, "trainer.max_epochs=1"))
+    first = assert_ok(run_app(run_dir, *TINY, "trainer.max_epochs=1"))
+    assert first.output.rstrip().endswith(f"run directory: {run_dir}")  # (where to look)
     before = _record(run_dir)
     # Other model settings: the checkpoint does not fit, found by both ranks (the error is a rank's
     # own, not "rank 0 failed: WorkerFailed: rank 1 failed: ...").

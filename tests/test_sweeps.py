@@ -108,6 +108,22 @@ def test_report_redraws_a_run(tmp_path, trained) -> None:
     assert empty.returncode == 2 and "neither a run directory" in empty.stderr
 
 
+def test_report_of_a_folder_of_single_runs_writes_nothing(tmp_path, capsys) -> None:
+    """`outputs/DAY` holds runs, not a sweep's jobs: no summary of them is written there."""
+    from app.report import main
+
+    day = tmp_path / "day"
+    for num in range(2):
+        run_dir = _job_dir(day, num, [f"seed={num}"], [], {"status": "completed"})
+        (run_dir / ".hydra" / "hydra.yaml").write_text("hydra:\n  mode: RUN\n")
+    assert main([str(day)]) == 2
+    assert "a folder of single runs" in capsys.readouterr().err
+    assert not list(day.glob("summary.*"))
+    (day / "multirun.yaml").write_text("{}\n")  # Hydra's mark of a sweep directory
+    assert main([str(day)]) == 0
+    assert (day / "summary.csv").is_file()
+
+
 def test_optuna_search_runs_trials_and_reports_the_best(tmp_path) -> None:
     not_width = [t for t in TINY if not t.startswith("model.")]  # the width is searched
     proc, jobs = multirun(tmp_path, "hparams_search=digits_optuna", "hydra.sweeper.n_trials=3",

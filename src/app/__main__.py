@@ -89,6 +89,8 @@ def main(dict_cfg: DictConfig) -> float | None:
             stop_signals_stop_nothing()
         if record:
             write_result(run_dir, "completed", time.monotonic() - started)
+            if HydraConfig.get().mode != RunMode.MULTIRUN:  # (a sweep prints its summary)
+                log.info("run directory: %s", run_dir)
     except BaseException as e:
         stopped = isinstance(e, (Interrupted, KeyboardInterrupt))  # by a signal
         # (RunDirInUse: the run is another command's. A command that trained nothing leaves

@@ -10,6 +10,7 @@ from pathlib import Path
 from app.reporting.curves import draw_curves
 from app.reporting.results import folder_arg
 from app.reporting.summary import curves_note, job_summary, markdown, write_summary
+from app.run_name import is_job_of_sweep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +24,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{summary['monitor']} {summary['best']}, final {summary['final']}")
         print(f"curves: {curves}")
         return 0
-    if any(path.glob("*/.hydra/overrides.yaml")):
+    jobs = [p.parent.parent for p in path.glob("*/.hydra/overrides.yaml")]
+    if jobs and not any(is_job_of_sweep(job) for job in jobs):  # (a day's folder of runs)
+        print(f"error: {path} is a folder of single runs, not a sweep directory: "
+              f"`python -m app.runs ls {path}` lists them, and `python -m app.report RUN_DIR` "
+              f"draws one", file=sys.stderr)
+        return 2
+    if jobs:
         jobs = write_summary(path)
         for job in jobs:  # (write_summary drew those of the jobs that did not complete)
             if job["status"] == "completed":

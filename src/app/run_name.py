@@ -46,12 +46,16 @@ def resume_hint(run_dir: Path) -> str:
     """How to resume a stopped run: a job of a sweep (Hydra's multirun.yaml beside it) is
     resumed by the sweep's command with its sweep directory (on the same launcher, Slurm
     too), a single run by its run directory."""
-    sweep = run_dir.parent
+    if is_job_of_sweep(run_dir):
+        return f"run the sweep's command again with hydra.sweep.dir={run_dir.parent} to resume"
+    return f"run again with hydra.run.dir={run_dir} to resume"
+
+
+def is_job_of_sweep(run_dir: Path) -> bool:
+    """Whether `run_dir` is a job of a sweep (Hydra's multirun.yaml beside it), not a run."""
     hydra_yaml = run_dir / ".hydra" / "hydra.yaml"
     try:  # (the Optuna sweeper writes no multirun.yaml; every job's hydra.yaml has its mode)
         multirun = "mode: MULTIRUN" in hydra_yaml.read_text() if hydra_yaml.is_file() else False
     except OSError:
         multirun = False
-    if (sweep / "multirun.yaml").is_file() or multirun:
-        return f"run the sweep's command again with hydra.sweep.dir={sweep} to resume"
-    return f"run again with hydra.run.dir={run_dir} to resume"
+    return multirun or (run_dir.parent / "multirun.yaml").is_file()
