@@ -177,6 +177,8 @@ def test_a_yaml_error_inside_the_job_is_the_jobs_not_a_config_files() -> None:
 
 @pytest.mark.parametrize("override,line", [
     ("ema=true", "ema was renamed to trainer.ema: write trainer.ema=true"),
+    # (A sweep's job is composed with the value as Hydra's sweeper writes it back: True.)
+    ("ema=True", "ema was renamed to trainer.ema: write trainer.ema=true"),
     ("trainer.input=x.npy", "trainer.input was renamed to predict.input: write "
                             "predict.input=x.npy"),
     ("trainer.num_show=4", "trainer.num_show was renamed to predict.num_show"),

@@ -93,6 +93,16 @@ def test_predict_on_npy_and_image_folder(trained, tmp_path) -> None:
     assert sum(r["pred"] != p for r, p in zip(from_pngs, reference, strict=True)) <= 1
 
 
+def test_a_predict_input_that_is_not_there_is_named_so(tmp_path) -> None:
+    from app.modes.predict import load_inputs
+
+    with pytest.raises(UserError, match=r"predict.input=\S+missing.npy: no such file or folder"):
+        load_inputs(str(tmp_path / "missing.npy"), None)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match="expected a folder of images, an image or a .npy file"):
+        load_inputs(str(tmp_path / "notes.txt"), None)
+
+
 def test_predict_warns_about_an_array_far_outside_the_datas_range(tmp_path, caplog) -> None:
     """Digits as sklearn ships them (0 to 16), where the model saw 0 to 1: a warning that
     names both ranges; the validation images themselves: none."""

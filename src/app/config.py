@@ -220,6 +220,8 @@ def renamed(key: str, value: str | None = None) -> str | None:
     new = RENAMED.get(key.lstrip("+~"))
     if new is None:
         return None
+    if value in ("True", "False"):  # (a sweep's job: Hydra's sweeper writes a bool so)
+        value = value.lower()
     return f"{key.lstrip('+~')} was renamed to {new}" + (
         f": write {new}={value}" if value is not None else "")
 

@@ -145,6 +145,9 @@ def load_inputs(source: str | None, data: DataModule) -> Inputs:
         _warn_unless_in_range(x, data, path)
         return Inputs([f"{path.name}[{i}]" for i in range(len(x))],
                       lambda size: ((batch, None) for batch in x.split(size)))
+    if not path.exists():
+        raise UserError(f"predict.input={source}: no such file or folder (relative paths are "
+                        f"from the folder the command started in)")
     raise UserError(f"predict.input={source}: expected a folder of images, an image or a .npy "
                     f"file")
 
