@@ -49,11 +49,13 @@ def sync_dir(folder: Path) -> None:
 
 
 @contextmanager
-def written_aside(path: Path) -> Iterator[Path]:
+def written_aside(path: Path, keep_suffix: bool = False) -> Iterator[Path]:
     """A temporary name beside `path` for a writer that takes a file name (torch's savers),
     renamed to `path` once the block has written it: a kill or a failure leaves the previous
-    file, or none, under the name, never a part."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    file, or none, under the name, never a part. `keep_suffix`: the temporary name ends as
+    `path` does (torch.export's saver warns about a name without `.pt2`)."""
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}" if keep_suffix else
+                         f".{path.name}.{os.getpid()}.tmp")
     try:
         yield tmp
         os.replace(tmp, path)

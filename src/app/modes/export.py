@@ -46,7 +46,7 @@ def run_export(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
 
     batch = torch.export.Dim("batch", min=1)
     program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
-    with written_aside(pt2_path) as tmp:
+    with written_aside(pt2_path, keep_suffix=True) as tmp:
         torch.export.save(program, str(tmp))
         pt2_loaded = torch.export.load(str(tmp)).module()
 
