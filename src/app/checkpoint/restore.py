@@ -60,11 +60,16 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
     if missing or unexpected or wrong_shape:
         config = state.get("config") or {}
         trained = f"model={config.get('model') or {}}"
-        if "num_classes" in (config.get("data") or {}):
-            trained += f" and data.num_classes={config['data']['num_classes']}"
+        # The model's input and head follow the data (its shape and classes): a checkpoint
+        # of the same model on other data differs there.
+        data = {k: v for k, v in (config.get("data") or {}).items()
+                if k in ("_target_", "root", "input_shape", "image_size", "channels",
+                         "num_classes")}
+        if data:
+            trained += f" on data={data}"
         advice = ("to fine-tune it on this model (a new head for another num_classes), add "
                   "ckpt_strict=false: the weights that fit are loaded, the others start fresh"
-                  ) if fine_tuning else "use the same model settings"
+                  ) if fine_tuning else "use the same model and data settings"
         parts = [
             f"{label}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
             for label, items in (
