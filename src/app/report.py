@@ -24,13 +24,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{summary['monitor']} {summary['best']}, final {summary['final']}")
         print(f"curves: {curves}")
         return 0
-    jobs = [p.parent.parent for p in path.glob("*/.hydra/overrides.yaml")]
-    if jobs and not any(is_job_of_sweep(job) for job in jobs):  # (a day's folder of runs)
+    job_dirs = [p.parent.parent for p in path.glob("*/.hydra/overrides.yaml")]
+    if job_dirs and not any(map(is_job_of_sweep, job_dirs)):  # (a day's folder of runs)
         print(f"error: {path} is a folder of single runs, not a sweep directory: "
               f"`python -m app.runs ls {path}` lists them, and `python -m app.report RUN_DIR` "
               f"draws one", file=sys.stderr)
         return 2
-    if jobs:
+    if job_dirs:
         jobs = write_summary(path)
         for job in jobs:  # (write_summary drew those of the jobs that did not complete)
             if job["status"] == "completed":
