@@ -1,21 +1,25 @@
-"""app's launcher options: `hydra/launcher=submitit_slurm` and `hydra/launcher=submitit_local`
-(`launcher=slurm` selects the first) run app's launchers (launcher.py), not the stock ones.
+"""app's launcher options: in app, `hydra/launcher=submitit_slurm` and `submitit_local`
+(`launcher=slurm` selects the first) run app's launchers (launcher.py); in every other Hydra
+program they stay the stock ones, untouched.
 
-They are typed nodes in Hydra's ConfigStore, subclasses of hydra-submitit-launcher's schemas
-stored under the stock names, so a misspelt or mistyped launcher key fails at compose time and
-users type what the stock plugin documents. They are not YAML files of the same names: Hydra
-validates such a file against the ConfigStore schema of that name, a deprecated mechanism
-that warns on every run ("automatic schema matching").
-
-The stock plugin stores its nodes when its module is executed, and Hydra's plugin scan
-executes every plugin module again, in an order that depends on how the packages are
-installed; nodes stored at import could be overwritten. Hydra calls search-path plugins
-after that scan and before it composes anything, so that is where ours are stored.
+They are typed nodes, subclasses of hydra-submitit-launcher's schemas, so a misspelt or
+mistyped launcher key fails at compose time and users type the names the stock plugin
+documents. Hydra offers no per-program choice of a node of the same name: a YAML file of that
+name in app's conf/ is validated against the stock schema (a deprecated mechanism that warns
+on every run, and that refuses app's extra keys), and a node in the defaults list of app's
+primary config cannot see the launcher chosen (Hydra expands the primary config before its
+own). So the choice is made where Hydra builds a program's config search path, after its
+plugin scan and before it composes anything (`AppLaunchers`): when the program's primary
+config folder is app's own conf/, app's nodes take the stock names in Hydra's ConfigStore;
+for any other program the stock nodes are put back if app's had taken their place (a process
+that composed app first, such as a test). Nothing else is changed, and nothing of app (or
+torch) is imported: the check reads only this file's location.
 """
 
 # (No `from __future__ import annotations`: Hydra's scan executes this module outside
 # sys.modules, where dataclasses cannot resolve string annotations.)
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.core.config_store import ConfigStore
@@ -45,8 +49,6 @@ class AppSlurmConf(SlurmQueueConf):
     # failed), apart from timeouts; it resumes from last.pt. An exception stays a failure.
     max_num_failures: int = 3
     signal_delay_s: int = 120  # seconds before the time limit at which Slurm sends USR2
-    # Lines run before srun: a failing task ends the others.
-    setup: list[str] | None = field(default_factory=lambda: ["export SLURM_KILL_BAD_EXIT=1"])
     # false: submit, record the jobs in the sweep directory, print how to follow them and
     # exit 0 at once (python -m app.status / app.report DIR); Optuna needs results: refused.
     wait: bool = True
@@ -70,14 +72,45 @@ class AppLocalConf(LocalQueueConf):
     timeout_min: int = 60  # time limit of a job, minutes
 
 
-def store_launchers() -> None:
+# app's config tree, found from this file (app/conf_dir.py finds it the same way from app's):
+# the repository's conf/ beside src/ (a checkout, an editable install), or the copy a wheel
+# installs beside this package (app/conf), or that copy named as a package.
+_HERE = Path(__file__).resolve().parent  # .../hydra_plugins/app_submitit
+_APP_CONF = {_HERE.parents[2] / "conf", _HERE.parents[1] / "app" / "conf"}
+_NODES = {"submitit_slurm": (AppSlurmConf, SlurmQueueConf),
+          "submitit_local": (AppLocalConf, LocalQueueConf)}
+_PROVIDER = "app"
+
+
+def is_app(search_path: ConfigSearchPath) -> bool:
+    """Whether the program composing is app: its primary config folder is app's conf/."""
+    for element in search_path.get_path():
+        if element.provider != "main" or element.path is None:
+            continue
+        path = element.path
+        if path == "pkg://app.conf":
+            return True
+        path = path.removeprefix("file://")  # (a folder is given with it or without a scheme)
+        return "://" not in path and Path(path).resolve() in _APP_CONF
+    return False
+
+
+def choose_launchers(app: bool) -> None:
+    """app's nodes under the stock names for app; the stock nodes (as the stock plugin stores
+    them) for any other program, where app's had been stored. Nothing is stored otherwise."""
     store = ConfigStore.instance()
-    store.store(group="hydra/launcher", name="submitit_slurm", node=AppSlurmConf, provider="app")
-    store.store(group="hydra/launcher", name="submitit_local", node=AppLocalConf, provider="app")
+    for name, (ours, stock) in _NODES.items():
+        current = store.repo.get("hydra", {}).get("launcher", {}).get(f"{name}.yaml")
+        if app:
+            store.store(group="hydra/launcher", name=name, node=ours, provider=_PROVIDER)
+        elif current is not None and current.provider == _PROVIDER:
+            store.store(group="hydra/launcher", name=name, node=stock(),
+                        provider="submitit_launcher")
 
 
 class AppLaunchers(SearchPathPlugin):
-    """Adds no search path: the hook Hydra calls after its plugin scan (see the docstring)."""
+    """Adds no search path: the hook Hydra calls after its plugin scan, with the program's
+    search path (see the docstring)."""
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        store_launchers()
+        choose_launchers(is_app(search_path))
