@@ -253,13 +253,20 @@ def test_a_sweep_directory_of_other_values_is_refused(tmp_path) -> None:
         (run_dirs[num] / ".hydra").mkdir(parents=True)
         (run_dirs[num] / ".hydra" / "overrides.yaml").write_text(
             "".join(f"- {o}\n" for o in found))
-    same = {0: ["optimizer.lr=0.01", "trainer.max_epochs=6"],  # a longer schedule for all
-            1: ["optimizer.lr=0.003", "trainer.max_epochs=6"]}
+    same = {0: ["trainer.max_epochs=3", "++optimizer.lr=0.01"],  # (in another order, with ++)
+            1: ["optimizer.lr=0.003", "trainer.max_epochs=3"]}
     assert conflicts(same, run_dirs) == []
-    other = {0: ["optimizer.lr=0.01"], 1: ["optimizer.lr=0.02"], 2: ["optimizer.lr=0.001"]}
+    # A job's identity is its whole override set: a value every job shares counts too.
+    longer = {0: ["optimizer.lr=0.01", "trainer.max_epochs=6"]}
+    assert conflicts(longer, {0: run_dirs[0]}) == [
+        f"job #0: its run directory {run_dirs[0]} holds a job of trainer.max_epochs=3, this "
+        f"one is trainer.max_epochs=6"]
+    other = {0: ["optimizer.lr=0.01", "trainer.max_epochs=3"],
+             1: ["optimizer.lr=0.02", "trainer.max_epochs=3", "seed=1"],
+             2: ["optimizer.lr=0.001"]}
     (said,) = conflicts(other, {**run_dirs, 2: tmp_path / "2"})
     assert said == (f"job #1: its run directory {run_dirs[1]} holds a job of "
-                    f"optimizer.lr=0.003, this one is optimizer.lr=0.02")
+                    f"optimizer.lr=0.003 (no seed), this one is optimizer.lr=0.02 seed=1")
 
 
 def test_values_no_cluster_could_mean_are_named() -> None:

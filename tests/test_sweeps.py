@@ -294,7 +294,8 @@ def test_summary_picture_names_what_became_of_jobs_without_a_value(tmp_path, mon
 
 def test_a_sweep_of_other_values_into_a_used_sweep_directory_runs_nothing(tmp_path) -> None:
     """Job #1 would have resumed the run directory of another learning rate as its own (and
-    reported its result); a longer schedule for the whole sweep resumes it as before."""
+    reported its result). A job's identity is its whole override set: a value every job shares
+    (a longer schedule) is another job too; the same command resumes."""
     short = ["model.channels=[8,16]", "trainer.max_epochs=1", "trainer.progress_bar=false"]
     first, _ = multirun(tmp_path, "optimizer.lr=0.01,0.003", *short)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -307,4 +308,19 @@ def test_a_sweep_of_other_values_into_a_used_sweep_directory_runs_nothing(tmp_pa
                                     ).read_text()  # untouched
     longer, jobs = multirun(tmp_path, "optimizer.lr=0.01,0.003",
                             *[o.replace("=1", "=2") if "max_epochs" in o else o for o in short])
-    assert longer.returncode == 0 and len(jobs) == 4, longer.stderr[-2000:]
+    assert longer.returncode == 2 and len(jobs) == 2, longer.stderr[-2000:]
+    assert (f"job #0: its run directory {tmp_path / 'sweep' / '0'} holds a job of "
+            "trainer.max_epochs=1, this one is trainer.max_epochs=2") in longer.stdout
+    same, jobs = multirun(tmp_path, "optimizer.lr=0.01,0.003", *short)
+    assert same.returncode == 0 and len(jobs) == 4, same.stderr[-2000:]
+
+
+def test_a_one_job_sweep_of_another_value_into_its_directory_runs_nothing(tmp_path) -> None:
+    """With one job every key is shared: seed=2 resumed seed=1's finished run and reported its
+    result as seed=2's."""
+    first, _ = multirun(tmp_path, "seed=1", *TINY, "trainer.max_steps=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    other, jobs = multirun(tmp_path, "seed=2", *TINY, "trainer.max_steps=2")
+    assert other.returncode == 2 and len(jobs) == 1, other.stderr[-2000:]
+    assert (f"job #0: its run directory {tmp_path / 'sweep' / '0'} holds a job of seed=1, "
+            "this one is seed=2") in other.stdout + other.stderr

@@ -1,7 +1,9 @@
 """A sweep directory used again: the same command resumes its jobs (job N in `SWEEP/N`), but
-a sweep of other values would resume another job's run directory as its own, and report
-that job's result. `conflicts` finds such jobs; the submitit launchers and, for Hydra's basic
-sweeper, the sweep summary's start refuse them before any job runs."""
+a job with other values would resume another job's run directory as its own, and report
+that job's result. A job's identity is its whole override set (Hydra's own `hydra.*` settings
+aside: they are not the job's); `conflicts` finds the jobs whose run directory holds a job of
+other overrides, and the submitit launchers and, for Hydra's basic sweeper, the sweep
+summary's start refuse them before any job runs."""
 
 from __future__ import annotations
 
@@ -12,31 +14,31 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
+def _by_key(overrides: list[str]) -> dict[str, str]:
+    """key -> value as typed: `+x=1`, `++x=1` and `x=1` set the same value; `~x` deletes."""
+    found = {}
+    for override in overrides:
+        key, _, value = override.partition("=")
+        found[key.lstrip("+~")] = "(deleted)" if key.startswith("~") else value
+    return found
 
 
 def conflicts(overrides: dict[int, list[str]], run_dirs: dict[int, Path]) -> list[str]:
-    """Jobs whose run directory holds an earlier job of another setting: the same number in
-    the same sweep directory, but another value of a key this sweep varies (that directory
-    would be resumed as this job's). One line each. The keys every job shares may change (a
-    longer schedule for the whole sweep, say)."""
-    values = {num: {_key(o): o for o in found} for num, found in overrides.items()}
-    swept = {key for found in values.values() for key in found
-             if len({v.get(key) for v in values.values()}) > 1}
+    """Jobs whose run directory holds an earlier job of other overrides (that directory would
+    be resumed as this job's, and its result reported as this job's). One line each."""
     said = []
     for num, run_dir in sorted(run_dirs.items()):
         try:
             earlier = OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")
         except (OSError, ValueError, TypeError, AttributeError):
             continue
-        earlier = {_key(str(o)): str(o) for o in earlier}
-        differ = [k for k in sorted(swept) if earlier.get(k) != values[num].get(k)]
+        before, now = _by_key([str(o) for o in earlier]), _by_key(overrides[num])
+        differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
         if differ:
-            before = " ".join(earlier.get(k, f"(no {k})") for k in differ)
-            now = " ".join(values[num].get(k, f"(no {k})") for k in differ)
-            said.append(f"job #{num}: its run directory {run_dir} holds a job of {before}, "
-                        f"this one is {now}")
+            was = " ".join(f"{k}={before[k]}" if k in before else f"(no {k})" for k in differ)
+            is_ = " ".join(f"{k}={now[k]}" if k in now else f"(no {k})" for k in differ)
+            said.append(f"job #{num}: its run directory {run_dir} holds a job of {was}, "
+                        f"this one is {is_}")
     return said
 
 

@@ -20,13 +20,14 @@ ranks die with the job, and rank 0 alone holds `.run.lock`.)
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,39 @@ def _lock_within(file: Any, wait_s: float, poll_s: float, on_wait: Callable[[], 
                 on_wait()
                 waited = True
             time.sleep(poll_s)
+
+
+class Held(Exception):  # noqa: N818 (reads as what happened)
+    """Another process holds the lock: `pid P on HOST`."""
+
+
+@contextlib.contextmanager
+def held_now(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` for the block, taken at once, this process named in the
+    file; `Held` naming the holder when another process has it. Where the file system has no
+    locks, a warning and the block runs unlocked."""
+    file = _open(path)
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(file)
+        file.close()
+        raise Held(holder) from None
+    except OSError as e:
+        file.close()
+        log.warning("cannot lock %s (%s): a second command there would not be detected", path,
+                    e.strerror or e)
+        yield
+        return
+    _held.append(file)
+    try:
+        file.truncate(0)
+        file.write(f"{os.getpid()} {socket.gethostname()}\n")
+        file.flush()
+        yield
+    finally:
+        _held.remove(file)
+        file.close()
 
 
 def hold_as_worker(run_dir: Path) -> None:

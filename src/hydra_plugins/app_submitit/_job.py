@@ -13,7 +13,7 @@ from typing import Any
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
 from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 log = logging.getLogger("hydra_plugins.app_submitit.launcher")  # (the lines as before)
 
@@ -25,6 +25,17 @@ def device_slice(job_num: int, devices: int | str, ids: list[str]) -> list[str] 
         return None
     slot = job_num % (len(ids) // devices)
     return ids[slot * devices:(slot + 1) * devices]
+
+
+def uses_job_id(config: DictConfig) -> bool:
+    return "hydra.job.id" in str(OmegaConf.to_container(config.hydra.sweep)["subdir"])
+
+
+def with_job_id(config: DictConfig, job_id: str) -> None:
+    """Give a job's composed config the id its scheduler gave it (its run directory may be
+    named by it)."""
+    with read_write(config.hydra.job), open_dict(config.hydra.job):
+        config.hydra.job.id = job_id
 
 
 class ComposedOnce:
@@ -83,8 +94,11 @@ class JobSide:
         with read_write(config.hydra), open_dict(config.hydra):
             config.hydra.job.num = job_num
             # Fixed strings: the job must not re-derive its directory (from the clock, say).
+            # A subdir of the job's id (`${hydra.job.id}`, as with the stock launcher) stays as
+            # written: the id is known once the job is submitted (`with_job_id`).
             config.hydra.sweep.dir = str(config.hydra.sweep.dir)
-            config.hydra.sweep.subdir = str(config.hydra.sweep.subdir)
+            if not uses_job_id(config):
+                config.hydra.sweep.subdir = str(config.hydra.sweep.subdir)
             config.hydra.mode = RunMode.MULTIRUN
         try:
             config = apply_run(config, overrides)  # (the job applies it again: the same)
@@ -148,9 +162,9 @@ class JobSide:
                 raise JobFailed(too_many)
         Singleton.set_state(singleton_state)
         setup_globals()
-        config = self.composed[job_num].copy()
-        with open_dict(config.hydra.job):
-            config.hydra.job.id = submitit.JobEnvironment().job_id
+        config = self.composed[job_num]
+        with_job_id(config, submitit.JobEnvironment().job_id)
+        config = config.copy()
         result = run_job(hydra_context=self.hydra_context, task_function=self.task_function,
                          config=config, job_dir_key=job_dir_key,
                          job_subdir_key="hydra.sweep.subdir")

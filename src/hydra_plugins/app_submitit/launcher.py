@@ -35,10 +35,14 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf
 
-from ._job import JobSide
+from ._job import JobSide, uses_job_id, with_job_id
 from ._sbatch import captured_stderr, refusal
 
 log = logging.getLogger(__name__)
+
+# Before the user's `hydra.launcher.setup` lines: srun ends a job's other tasks when one
+# exits non-zero (a failed rank), instead of waiting for them.
+KILL_ON_BAD_EXIT = "export SLURM_KILL_BAD_EXIT=1"
 
 
 class _Terminated(KeyboardInterrupt):
@@ -111,6 +115,8 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
             log.error("%s (nothing was submitted)", "; ".join(bad))
             sys.exit(2)
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        if "mode" in self.config.hydra.sweep:  # (as the stock launcher applies it)
+            sweep_dir.chmod(int(str(self.config.hydra.sweep.mode), 8))
         log.info("submitit '%s' sweep output dir: %s", self._EXECUTOR, sweep_dir)
         for num in nums:
             log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides[num])))
@@ -154,9 +160,14 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         if self._EXECUTOR == "slurm":
             from ._recover import teardown_lines
 
-            executor.update_parameters(slurm_teardown=teardown_lines(
-                str(folder), self.max_num_failures))
+            executor.update_parameters(slurm_setup=self._setup_lines(), slurm_teardown=(
+                teardown_lines(str(folder), self.max_num_failures)))
         return executor
+
+    def _setup_lines(self) -> list[str]:
+        """app's line, then the user's `setup` lines (they add to it, as to nothing in the
+        stock launcher)."""
+        return [KILL_ON_BAD_EXIT, *(self.params.get("setup") or [])]
 
     def _refuse_sweepers_that_need_results(self) -> None:
         assert self.config is not None
@@ -170,7 +181,22 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
     def _submit(self, submitit: Any, executor: Any, overrides: dict[int, list[str]],
                 sweep_dir: Path) -> dict[int, Any]:
         """Submit every job that is not still queued or running from an earlier submission of
-        the same sweep directory (those are followed instead); record them all."""
+        the same sweep directory (those are followed instead); record them all. One command
+        at a time (an OS lock in the sweep directory): a second one submitting there meanwhile
+        would submit the same jobs again; once this one has recorded them, it follows them."""
+        from app.launch.run_lock import Held, held_now
+
+        try:
+            with held_now(sweep_dir / ".submit.lock"):
+                return self._submit_locked(submitit, executor, overrides, sweep_dir)
+        except Held as e:
+            log.error("hydra.sweep.dir=%s is being submitted to by another command (%s): run "
+                      "this one again once it has submitted (it then follows the same jobs), "
+                      "or give it another hydra.sweep.dir (nothing was submitted)", sweep_dir, e)
+            sys.exit(2)
+
+    def _submit_locked(self, submitit: Any, executor: Any, overrides: dict[int, list[str]],
+                       sweep_dir: Path) -> dict[int, Any]:
         from app.sweep_dirs import conflicts
 
         from . import _submission
@@ -201,6 +227,8 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         if fresh and self._EXECUTOR == "slurm" and self.code_snapshot:
             self._snapshot(executor, sweep_dir)
         jobs.update(self._submit_arrays(submitit, executor, fresh, overrides))
+        for num, job in jobs.items():  # (a run directory may be named by it)
+            with_job_id(self.composed[num], job.job_id)
         if self._EXECUTOR == "slurm":
             for num in fresh:
                 _submission.keep_config(self._run_dir(num), self.composed[num])
@@ -221,8 +249,7 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
             sys.exit(2)
         log.info("code snapshot: %d files (%.1f MB) in %s; the jobs and their requeues import "
                  "from it", snapshot.files, snapshot.size / 1e6, snapshot.where)
-        setup = list(self.params.get("setup") or [])
-        executor.update_parameters(slurm_setup=setup + snapshot.setup_lines())
+        executor.update_parameters(slurm_setup=self._setup_lines() + snapshot.setup_lines())
 
     def _num_tasks(self) -> int:
         return int(self.params["nodes"]) * int(self.params["tasks_per_node"])
@@ -313,8 +340,12 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
                         OmegaConf.select(self.config, "hydra.sweeper.max_batch_size")))
 
     def _run_dir(self, num: int) -> Path:
-        sweep = self.composed[num].hydra.sweep
-        return Path(str(sweep.dir), str(sweep.subdir))
+        """Job `num`'s run directory; one named by a job id not given yet (before submission,
+        `hydra.sweep.subdir=${hydra.job.id}`) is shown as `SWEEP/(job id)`."""
+        config = self.composed[num]
+        if OmegaConf.is_missing(config.hydra.job, "id") and uses_job_id(config):
+            return Path(str(config.hydra.sweep.dir), "(job id)")
+        return Path(str(config.hydra.sweep.dir), str(config.hydra.sweep.subdir))
 
     def _result(self, job: Any, num: int, overrides: list[str]) -> JobReturn:
         from ._job_report import describe, outcomes
