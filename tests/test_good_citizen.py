@@ -158,3 +158,24 @@ def test_in_one_process_app_gets_its_launchers_and_another_program_the_stock_one
     again = _launcher_target(CONF_DIR, "config", f"hydra/launcher={name}")
     assert ours == again and ours.startswith("hydra_plugins.app_submitit.launcher.App")
     assert theirs.startswith("hydra_plugins.hydra_submitit_launcher.submitit_launcher.")
+
+
+@pytest.mark.parametrize("executor, shape, said", [
+    ("local", {"tasks_per_node": 2, "nodes": 1},
+     "hydra.launcher.tasks_per_node=2 nodes=1: a local job is one process on this machine"),
+    ("local", {"tasks_per_node": 1, "nodes": 3},
+     "hydra.launcher.tasks_per_node=1 nodes=3: a local job is one process"),
+    ("slurm", {"tasks_per_node": 4, "nodes": 1},
+     "devices=2 nodes=1 differ from the sweep's allocation (4 tasks per node, 1 nodes)"),
+])
+def test_a_stock_shape_app_cannot_honour_is_refused_in_one_line(executor, shape, said) -> None:
+    """Every task of app's Slurm job is a rank; a local job spawns its workers itself."""
+    from app.errors import UserError
+    from hydra_plugins.app_submitit.launcher import AppLocalLauncher, AppSlurmLauncher
+
+    launcher = {"local": AppLocalLauncher, "slurm": AppSlurmLauncher}[executor](
+        submitit_folder="unused", timeout_min=1, **shape)
+    with pytest.raises(UserError, match="^" + re.escape(said)):
+        launcher._check_allocation(2, 1)
+    if executor == "slurm":
+        launcher._check_allocation(4, 1)  # (the shape of devices=4: taken)

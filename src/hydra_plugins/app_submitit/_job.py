@@ -136,6 +136,12 @@ class JobSide:
         """One allocation serves every job of a sweep: it must fit each job's topology."""
         from app.errors import UserError
 
+        local = (self.params["tasks_per_node"], self.params["nodes"])
+        if self._EXECUTOR == "local" and local != (1, 1):
+            raise UserError(
+                f"hydra.launcher.tasks_per_node={local[0]} nodes={local[1]}: a local job is one "
+                f"process on this machine, which starts its `devices` workers itself; set "
+                f"devices=N instead")
         if self._EXECUTOR == "slurm" and (devices, nodes) != (
                 self.params["tasks_per_node"], self.params["nodes"]):
             raise UserError(
