@@ -72,9 +72,19 @@ def problems(params: dict[str, Any], num_jobs: int) -> list[str]:
         return [f"hydra.launcher.partition={name}: no such partition; the cluster has "
                 f"{', '.join(sorted(partitions))}"]
     found: list[str] = []
+    if partitions[name].get("State", "UP") != "UP":
+        found.append(f"partition {name} is {partitions[name]['State']}: jobs would wait")
+    return found + never_runs(params, name, partitions, nodes)
+
+
+def never_runs(params: dict[str, Any], name: str, partitions: dict[str, dict[str, str]],
+               nodes: dict[str, dict[str, str]]) -> list[str]:
+    """What partition `name` (one the cluster has) could never run, however long the job
+    waited: over its time or node limit, more CPUs, memory or GPUs than any of its nodes
+    offers. sbatch accepts some of these, and the job pends forever (PartitionConfig,
+    PartitionNodeLimit, PartitionTimeLimit); the launcher refuses them before submitting."""
+    found: list[str] = []
     part = partitions[name]
-    if part.get("State", "UP") != "UP":
-        found.append(f"partition {name} is {part['State']}: jobs would wait")
     limit = slurm.minutes(part.get("MaxTime", ""))
     if limit is not None and params["timeout_min"] > limit:
         found.append(f"hydra.launcher.timeout_min={params['timeout_min']}: over partition "
@@ -88,21 +98,45 @@ def problems(params: dict[str, Any], num_jobs: int) -> list[str]:
     cpus = (params.get("cpus_per_task") or 1) * params["tasks_per_node"]
     gpus = params.get("gpus_per_node") or 0
     mem_mb = None if params.get("mem_gb") is None else params["mem_gb"] * 1024
-    fitting = [n for n in members
-               if int(nodes[n].get("CPUTot", "0")) >= cpus
-               and (mem_mb is None or int(nodes[n].get("RealMemory", "0")) >= mem_mb)
-               and slurm.gpus(nodes[n].get("Gres", "")) >= gpus]
-    if len(fitting) < params["nodes"]:
-        most = max(members, key=lambda n: int(nodes[n].get("CPUTot", "0")), default=None)
-        have = "" if most is None else (
-            f" (node {most}: {nodes[most].get('CPUTot')} CPUs, "
-            f"{int(nodes[most].get('RealMemory', '0')) / 1024:g} GB, "
-            f"{slurm.gpus(nodes[most].get('Gres', ''))} GPUs)")
+    offered = {n: _offers(nodes[n]) for n in members}
+    fitting = [n for n, (c, m, g) in offered.items()
+               if c >= cpus and g >= gpus and (mem_mb is None or m is None or m >= mem_mb)]
+    # (fewer nodes than asked, all of which fit: the node count alone, said above)
+    if len(fitting) < min(params["nodes"], len(members)):
+        most = max(members, key=lambda n: offered[n][0])
+        have = (f" (node {most}: {offered[most][0]} CPUs, "
+                f"{int(nodes[most].get('RealMemory', '0')) / 1024:g} GB, "
+                f"{offered[most][2]} GPUs)")
         found.append(f"a node must offer {cpus} CPU(s), "
                      f"{'' if mem_mb is None else f'{mem_mb / 1024:g} GB, '}{gpus} GPU(s): "
                      f"{len(fitting)} of partition {name}'s nodes do, {params['nodes']} "
-                     f"needed{have}")
+                     f"needed{have}{'' if fitting else _over(params, list(offered.values()))}")
     return found
+
+
+def _offers(node: dict[str, str]) -> tuple[int, int | None, int]:
+    """A node's CPUs, memory (MB; None where it is not configured: RealMemory=1, Slurm's
+    default) and GPUs."""
+    real = int(node.get("RealMemory", "1") or 1)
+    return int(node.get("CPUTot", "0") or 0), None if real <= 1 else real, \
+        slurm.gpus(node.get("Gres", ""))
+
+
+def _over(params: dict[str, Any], offered: list[tuple[int, int | None, int]]) -> str:
+    """The keys that ask more than the largest of these nodes offers."""
+    tasks, per_task = params["tasks_per_node"], params.get("cpus_per_task") or 1
+    over = []
+    if per_task * tasks > max(o[0] for o in offered):
+        over.append(f"hydra.launcher.cpus_per_task={per_task}"
+                    + (f" x {tasks} tasks per node (devices={tasks})" if tasks > 1 else ""))
+    memory = [o[1] for o in offered if o[1] is not None]
+    if params.get("mem_gb") and memory and params["mem_gb"] * 1024 > max(memory):
+        over.append(f"hydra.launcher.mem_gb={params['mem_gb']}")
+    if (params.get("gpus_per_node") or 0) > max(o[2] for o in offered):
+        over.append(f"{params['gpus_per_node']} GPU(s) per node (devices with "
+                    f"accelerator=cuda, or hydra.launcher.gpus_per_node)")
+    return f"; over every node: {', '.join(over)}" if over else \
+        "; no node offers all of it at once"
 
 
 def chunks(nums: list[int], max_array_size: int | None) -> list[list[int]]:

@@ -54,6 +54,8 @@ class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
         info = self._sacct() if self.source == "sacct" else None
         if info is None and self.source == "squeue":
             info = self._squeue(ids)
+        elif info is not None:
+            self._add_reasons(info)
         if info is not None:
             self._info_dict.update(info)
         self._last_status_check = time.time()
@@ -81,7 +83,7 @@ class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
 
     def _squeue(self, ids: list[str]) -> dict[str, dict[str, str]] | None:
         done = self._run(["squeue", "--noheader", "--array", "--states=all",
-                          "--format=%i|%T", f"--jobs={','.join(ids)}"])
+                          "--format=%i|%T|%r", f"--jobs={','.join(ids)}"])
         # squeue fails with "Invalid job id specified" only when it lists none of the jobs.
         if isinstance(done, str) or (done.returncode != 0
                                      and "Invalid job id" not in done.stderr):
@@ -92,10 +94,30 @@ class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
             return None
         info = {}
         for line in done.stdout.splitlines():
-            job_id, _, state = line.strip().partition("|")
+            job_id, _, rest = line.strip().partition("|")
+            state, _, reason = rest.partition("|")
             if job_id:
-                info[job_id] = {"JobID": job_id, "State": state}
+                info[job_id] = {"JobID": job_id, "State": state, "Reason": reason}
         for job_id in self._registered - self._finished:
             if job_id not in info and job_id.split("_")[0] in ids:
                 info[job_id] = {"JobID": job_id, "State": GONE}
         return info
+
+    def _add_reasons(self, info: dict[str, dict[str, str]]) -> None:
+        """sacct says no reason why a job waits: squeue, asked only while one is pending."""
+        pending = sorted({job_id.split("_")[0] for job_id, fields in info.items()
+                          if fields.get("State", "").upper().startswith("PENDING")})
+        waiting = self._squeue(pending) if pending else None
+        for job_id, fields in (waiting or {}).items():
+            if job_id in info and fields["State"] != GONE:
+                info[job_id] = {**info[job_id], "Reason": fields["Reason"]}
+
+    def waiting(self) -> dict[str, tuple[str, str]]:
+        """Each job not finished -> (state, why it waits: Slurm's reason), as last polled
+        (no call to Slurm); the reason is "" where none was read."""
+        found = {}
+        for job_id in self._registered - self._finished:
+            fields = self._info_dict.get(job_id, {})
+            if fields.get("State"):
+                found[job_id] = (fields["State"], fields.get("Reason", ""))
+        return found

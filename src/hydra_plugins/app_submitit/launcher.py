@@ -114,6 +114,9 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         if bad:
             log.error("%s (nothing was submitted)", "; ".join(bad))
             sys.exit(2)
+        from ._pending import refuse_never_runs
+
+        refuse_never_runs(self._EXECUTOR, self.params, len(nums))  # (no node can: exit 2)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         if "mode" in self.config.hydra.sweep:  # (as the stock launcher applies it)
             sweep_dir.chmod(int(str(self.config.hydra.sweep.mode), 8))
@@ -349,12 +352,13 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
 
     def _result(self, job: Any, num: int, overrides: list[str]) -> JobReturn:
         from ._job_report import describe, outcomes
+        from ._pending import wait
 
-        job.wait()  # a result file from every task, or a final state of the job
+        wait(job, num, self)  # as job.wait(), naming a job that waits for a person (_pending)
         while self._requeued(job):
             log.warning("job #%d (slurm job %s) was requeued after a fault (see its log: %s); "
                         "waiting for it again", num, job.job_id, job.paths.stderr)
-            job.wait()
+            wait(job, num, self)
         state = job.state.split()[0].upper() if self._EXECUTOR == "slurm" else ""
         # A task that exited 0 wrote its result: a missing one is a slow file system.
         results = outcomes(job, grace_s=15 if state in ("", "COMPLETED") else 0)
