@@ -41,7 +41,7 @@ bench: $(STAMP)  ## benchmarks against baselines, side by side; writes BENCHMARK
 lint: $(STAMP)  ## ruff
 	$(PYTHON) -m ruff check src tests bench
 
-slurm-up:  ## start a local Slurm cluster of 2 emulated nodes (root; installs Debian's slurm)
+slurm-up:  ## start a local Slurm cluster of 3 emulated nodes (root; installs Debian's slurm; safe to rerun)
 	scripts/slurm-local.sh up
 
 slurm-down:  ## stop the local Slurm cluster
