@@ -320,6 +320,49 @@ def test_a_crafted_index_is_refused_before_it_runs_anything(tmp_path) -> None:
     assert not marker.exists()
 
 
+def test_an_index_whose_enums_python_pickled_by_name_reads(tmp_path) -> None:
+    """Some Python releases (3.11.2, Debian 12's) pickle an Enum member as getattr(its class,
+    its name); DCP's index holds one (a tensor's memory format). The index reader builds such
+    a member, and only that: another getattr is still refused."""
+    import enum
+    import io
+    import pathlib
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import (
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    class Other:
+        pass
+
+    class ByName(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, enum.Enum):
+                return getattr, (type(obj), obj.name)
+            if obj is Other:  # (a getattr of a class the reader builds, but no enum's)
+                return getattr, (pathlib.PosixPath, "cwd")
+            return NotImplemented
+
+    def index(value, folder: Path) -> Path:
+        folder.mkdir()
+        data = io.BytesIO()
+        ByName(data, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        assert b"getattr" in data.getvalue()  # (the pickle is the one under test)
+        (folder / ".metadata").write_bytes(data.getvalue())
+        return folder
+
+    meta = Metadata({"w": TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32, memory_format=torch.channels_last),
+        torch.Size([2, 3]), [])})
+    read = sharded.read_index(index(meta, tmp_path / "by-name.pt"))
+    assert read.state_dict_metadata["w"].properties.memory_format == torch.channels_last
+    with pytest.raises(UserError, match=r"names builtins\.getattr.*nothing was run"):
+        sharded.read_index(index([Other], tmp_path / "other.pt"))
+
+
 def test_damaged_sharded_checkpoints_are_skipped_or_named(tmp_path) -> None:
     """A shard cut short, a step directory that lost its index: a resume falls back to the
     checkpoint before, naming why; a checkpoint of another model is one line."""

@@ -18,6 +18,7 @@ single process as full tensors (`read_full`: evaluation, export, conversion).
 
 from __future__ import annotations
 
+import enum
 import importlib
 import logging
 import pickle
@@ -160,7 +161,20 @@ class _IndexUnpickler(pickle.Unpickler):
                 return getattr(torch, name)
             if (module, name) in self.OTHERS:
                 return super().find_class(module, name)
+            if (module, name) == ("builtins", "getattr"):
+                return self._member
         raise pickle.UnpicklingError(f"{module}.{name}")
+
+    @staticmethod
+    def _member(owner: Any, name: Any) -> Any:
+        """A member of an enum by its name: some Python releases (3.11.2, Debian 12's) pickle
+        an Enum member as `getattr(its class, its name)` (DCP's index holds one, the memory
+        format). Only a member, of an enum class this reader built; any other getattr is
+        refused."""
+        if (isinstance(owner, type) and issubclass(owner, enum.Enum) and isinstance(name, str)
+                and name in owner.__members__):
+            return owner[name]
+        raise pickle.UnpicklingError("builtins.getattr")
 
 
 def read_index(path: str | Path) -> Any:
