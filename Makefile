@@ -3,16 +3,22 @@ PYTHON ?= python3
 # On a machine without torch this installs the CPU build that lies on disk here (pip finds it);
 # elsewhere pip takes it from PyPI. A torch already installed (a CUDA build, say) is kept.
 TORCH_SPEC ?= torch==2.13.0
-STAMP := .installed
+# One stamp per environment (named by its sys.prefix): a new virtualenv or conda environment
+# gets an install of its own instead of trusting the stamp of another.
+STAMP := .installed-$(shell $(PYTHON) -c "import sys, zlib; print(zlib.crc32(sys.prefix.encode()))" 2>/dev/null)
 
 .PHONY: help install run test test-slow test-gpu bench lint clean slurm-up slurm-down
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
+# An environment inside the checkout (python3 -m venv v) is no part of the code: a .gitignore
+# of `*` in it, as Python 3.13's venv writes one, keeps it out of git and so out of a Slurm
+# job's code snapshot (which copies the untracked files git does not ignore).
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -e ".[dev]"
+	@$(PYTHON) -c "import pathlib, sys; env, here = (pathlib.Path(p).resolve() for p in (sys.prefix, '.')); ignore = env / '.gitignore'; here in env.parents and not ignore.exists() and ignore.write_text('# made by make install: this environment is not part of the code\n*\n')"
 	@touch $(STAMP)
 
 install:  ## install torch (if missing), app (editable) and the dev tools into $(PYTHON)
@@ -48,5 +54,5 @@ slurm-down:  ## stop the local Slurm cluster
 	scripts/slurm-local.sh down
 
 clean:  ## remove caches and build files (never outputs/: runs are kept)
-	rm -rf .pytest_cache .ruff_cache build dist src/*.egg-info $(STAMP)
+	rm -rf .pytest_cache .ruff_cache build dist src/*.egg-info .installed*
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
