@@ -9,6 +9,7 @@ import errno
 import logging
 import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,19 +89,41 @@ def test_a_full_disk_at_a_metrics_row_is_one_line_and_leaves_no_partial_row(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]
 
 
+MOUNT = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs"]
+
+
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    """A 1 MiB tmpfs, or a skip saying why it cannot be mounted here (the in-process tests
-    above cover the same logic)."""
+    """A 1 MiB tmpfs. As root it is mounted here; as another user, in a mount namespace of its
+    own (`unshare --user --map-root-user --mount`), kept by a process of that namespace through
+    whose /proc/PID/root the test reaches it. Where neither can be done, a skip saying why
+    (the in-process tests above cover the same logic)."""
     mount = tmp_path / "tmpfs"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): "
-                    f"the real full disk is not tried")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    done = subprocess.run([*MOUNT, str(mount)], capture_output=True, text=True)
+    if done.returncode == 0:
+        yield mount
+        subprocess.run(["umount", str(mount)], check=True)
+        return
+    why = done.stderr.strip() or f"exit {done.returncode}"
+    try:  # the process mounts, says so, then waits for its stdin to close
+        keeper = subprocess.Popen(
+            ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+             f'{" ".join(MOUNT)} "$0" && echo mounted && exec cat >/dev/null', str(mount)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except FileNotFoundError as e:
+        pytest.skip(f"cannot mount a tmpfs here ({why}; {e}): the real full disk is not tried")
+    try:
+        if keeper.stdout.readline().strip() != "mounted":
+            keeper.stdin.close()
+            pytest.skip(f"cannot mount a tmpfs here ({why}; in a user namespace: "
+                        f"{keeper.stderr.read().strip() or keeper.wait()}): the real full "
+                        f"disk is not tried")
+        yield Path(f"/proc/{keeper.pid}/root") / mount.relative_to("/")
+    finally:
+        if not keeper.stdin.closed:
+            keeper.stdin.close()  # the namespace, and its tmpfs, end with the process
+        keeper.wait(timeout=30)
 
 
 def _fill(directory) -> None:

@@ -23,6 +23,7 @@ from slurm_cluster import (  # noqa: E402
     job_field,
     job_ids,
     release_requeued,
+    slurm_admin,  # noqa: F401 (the fixture: needs Slurm's administrator)
     slurm_cluster,  # noqa: F401 (the module's fixture: needs the cluster)
     submit_in_background,
     task_pid,
@@ -111,6 +112,7 @@ def test_a_task_killed_by_a_signal_is_requeued_and_ends_bit_identical(tmp_path) 
 
 
 @on_the_cluster
+@pytest.mark.usefixtures("slurm_admin")  # (taking a node down: root's, as `make slurm-up`)
 def test_a_job_whose_node_fails_is_requeued_and_ends_bit_identical(tmp_path) -> None:
     # On node3, alone in partition faults: taking it down touches no other test's job.
     sweep = tmp_path / "node-down"

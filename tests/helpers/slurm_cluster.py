@@ -55,6 +55,31 @@ def slurm_cluster() -> None:
         pytest.skip(message)
 
 
+def admin_problem() -> str | None:
+    """None when this user may change the cluster itself (take a node down, bring it back);
+    else why not. Without an accounting database (this cluster has none) no AdminLevel can be
+    granted: only root and the cluster's SlurmUser may."""
+    if os.geteuid() == 0:
+        return None
+    config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                            timeout=20).stdout
+    match = re.search(r"(?m)^SlurmUser\s*=\s*\S*\((\d+)\)", config)
+    if match and int(match.group(1)) == os.geteuid():
+        return None
+    return (f"changing a node's state needs Slurm's administrator: root or SlurmUser "
+            f"({match.group(0).split('=', 1)[1].strip() if match else 'unknown'}), not uid "
+            f"{os.geteuid()}")
+
+
+@pytest.fixture
+def slurm_admin(slurm_cluster) -> None:
+    """Use it in tests that change the cluster itself: they skip, saying why, for a user Slurm
+    does not let do that (the cluster's jobs run for any user; its administration does not)."""
+    problem = admin_problem()
+    if problem is not None:
+        pytest.skip(problem)
+
+
 def command(sweep: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "app", *SLURM, f"hydra.sweep.dir={sweep}",
             "trainer.progress_bar=false", *overrides]
