@@ -315,12 +315,15 @@ def test_a_sweep_of_other_values_into_a_used_sweep_directory_runs_nothing(tmp_pa
     assert same.returncode == 0 and len(jobs) == 4, same.stderr[-2000:]
 
 
-def test_a_one_job_sweep_of_another_value_into_its_directory_runs_nothing(tmp_path) -> None:
+@pytest.mark.parametrize("subdir, name", [(None, "0"), ("j${hydra.job.id}", "j0")])
+def test_a_one_job_sweep_of_another_value_into_its_directory_runs_nothing(
+        tmp_path, subdir, name) -> None:
     """With one job every key is shared: seed=2 resumed seed=1's finished run and reported its
-    result as seed=2's."""
-    first, _ = multirun(tmp_path, "seed=1", *TINY, "trainer.max_steps=2")
+    result as seed=2's. Run directories named otherwise than by the job number too."""
+    own = [f"hydra.sweep.subdir={subdir}"] if subdir else []
+    first, _ = multirun(tmp_path, "seed=1", *TINY, "trainer.max_steps=2", *own)
     assert first.returncode == 0, first.stderr[-2000:]
-    other, jobs = multirun(tmp_path, "seed=2", *TINY, "trainer.max_steps=2")
+    other, jobs = multirun(tmp_path, "seed=2", *TINY, "trainer.max_steps=2", *own)
     assert other.returncode == 2 and len(jobs) == 1, other.stderr[-2000:]
-    assert (f"job #0: its run directory {tmp_path / 'sweep' / '0'} holds a job of seed=1, "
+    assert (f"job #0: its run directory {tmp_path / 'sweep' / name} holds a job of seed=1, "
             "this one is seed=2") in other.stdout + other.stderr

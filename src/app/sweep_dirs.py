@@ -11,7 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+# Keys that choose where a job runs, not what it computes: `launcher=slurm` is
+# `hydra/launcher=submitit_slurm` (a Hydra override, never among a job's) typed shorter.
+WHERE_ONLY = {"launcher"}
 
 
 def _by_key(overrides: list[str]) -> dict[str, str]:
@@ -19,8 +23,14 @@ def _by_key(overrides: list[str]) -> dict[str, str]:
     found = {}
     for override in overrides:
         key, _, value = override.partition("=")
-        found[key.lstrip("+~")] = "(deleted)" if key.startswith("~") else value
+        if key.lstrip("+~") not in WHERE_ONLY:
+            found[key.lstrip("+~")] = "(deleted)" if key.startswith("~") else value
     return found
+
+
+def same_job(a: list[str], b: list[str]) -> bool:
+    """Whether two jobs' overrides are the same job (in any order, `+x=1` as `x=1`)."""
+    return _by_key(a) == _by_key(b)
 
 
 def conflicts(overrides: dict[int, list[str]], run_dirs: dict[int, Path]) -> list[str]:
@@ -44,12 +54,11 @@ def conflicts(overrides: dict[int, list[str]], run_dirs: dict[int, Path]) -> lis
 
 def basic_sweep_jobs(config: DictConfig) -> dict[int, list[str]] | None:
     """Each job's overrides as Hydra's basic sweeper will number them (None: another sweeper,
-    or run directories not named by the job number)."""
+    or app's submitit launchers, which check their jobs themselves, dry run too)."""
     sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default=""))
     launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
-    subdir = config.hydra.sweep._get_node("subdir")._value()
-    if not sweeper.endswith(".BasicSweeper") or subdir != "${hydra.job.num}" or \
-            launcher.startswith("hydra_plugins.app_submitit."):  # (which check, dry run too)
+    if not sweeper.endswith(".BasicSweeper") or \
+            launcher.startswith("hydra_plugins.app_submitit."):
         return None
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -63,6 +72,25 @@ def basic_sweep_jobs(config: DictConfig) -> dict[int, list[str]] | None:
     return dict(enumerate(jobs))
 
 
+def _run_dirs(config: DictConfig, jobs: dict[int, list[str]], sweep_dir: Path
+              ) -> dict[int, Path]:
+    """Each job's run directory. A subdir other than the job number (the job's overrides,
+    `${hydra.job.override_dirname}`, or anything else of its config) is each job's config
+    composed as the launcher will compose it: one compose a job, only for such a subdir."""
+    if OmegaConf.to_container(config.hydra.sweep)["subdir"] == "${hydra.job.num}":
+        return {num: sweep_dir / str(num) for num in jobs}
+    from hydra.core.global_hydra import GlobalHydra
+
+    loader = GlobalHydra.instance().config_loader()
+    dirs = {}
+    for num, overrides in jobs.items():
+        job = loader.load_sweep_config(config, list(overrides))
+        with open_dict(job.hydra.job):
+            job.hydra.job.num = job.hydra.job.id = num  # (as Hydra's basic launcher sets them)
+        dirs[num] = sweep_dir / str(job.hydra.sweep.subdir)
+    return dirs
+
+
 def refuse_other_values(config: DictConfig, log: Any) -> None:
     """At a basic sweep's start: exit 2, naming the jobs, if its directory holds a sweep of
     other values."""
@@ -70,7 +98,7 @@ def refuse_other_values(config: DictConfig, log: Any) -> None:
     if not jobs:
         return
     sweep_dir = Path(str(config.hydra.sweep.dir))
-    clashes = conflicts(jobs, {num: sweep_dir / str(num) for num in jobs})
+    clashes = conflicts(jobs, _run_dirs(config, jobs, sweep_dir))
     if clashes:
         log.error("hydra.sweep.dir=%s was used by a sweep of other values: %s. Its run "
                   "directories would be resumed as these jobs'; give this sweep a new "
