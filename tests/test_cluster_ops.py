@@ -117,8 +117,12 @@ def test_a_dry_run_prints_the_request_and_submits_nothing(tmp_path) -> None:
     refused = submit(sweep, "hydra.launcher.dry_run=true", "hydra.launcher.partition=gpu",
                      "nodes=3", "hydra.launcher.cpus_per_task=64", *TINY, timeout=120)
     assert refused.returncode == 2
-    assert "problem: hydra.launcher.partition=gpu: no such partition; the cluster has debug, " \
-        "faults" in refused.stdout
+    assert "problem: hydra.launcher.partition=gpu: no such partition gpu; the cluster has " \
+        "debug, faults" in refused.stdout
+    # A list of partitions (Slurm runs the job in the first that can): each one checked.
+    listed = submit(sweep, "hydra.launcher.dry_run=true", 'hydra.launcher.partition="debug,'
+                    'faults"', *TINY, timeout=120)
+    assert listed.returncode == 0 and "0 problem(s) found" in listed.stdout, listed.stdout
     too_big = submit(sweep, "hydra.launcher.dry_run=true", "nodes=3",
                      "hydra.launcher.cpus_per_task=64", *TINY, timeout=120)
     assert too_big.returncode == 2

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,62 @@ def test_stock_options_keep_their_meaning(tmp_path) -> None:
     assert stat.S_IMODE(sweep.stat().st_mode) == 0o750
     script = next((sweep / ".submitit").rglob("*_submission.sh")).read_text()
     assert script.index("export SLURM_KILL_BAD_EXIT=1") < script.index(f"touch {marker}")
+
+
+def test_the_same_jobs_typed_in_another_order_are_followed_not_submitted_again(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    try:
+        first = submit(sweep, *HELD, "seed=1,2", "optimizer.lr=0.01", timeout=120)
+        assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+        again = submit(sweep, "++optimizer.lr=0.01", "seed=1,2", *HELD, timeout=120)
+        said = again.stdout + again.stderr
+        assert again.returncode == 0 and said.count("not submitted again") == 2, said[-3000:]
+        assert len(_queued(sweep)) == 2 and sorted(_recorded(sweep)) == _queued(sweep)
+    finally:
+        _scancel(sweep)
+
+
+def test_a_submission_stopped_between_two_arrays_leaves_its_jobs_on_record(tmp_path) -> None:
+    """8 jobs in two arrays (the local cluster's MaxArraySize is 4), SIGTERM while the second
+    is being submitted: the first array's jobs are recorded, so a sweep of other values is
+    refused and the same command follows them and submits the rest, each job once."""
+    sweep, fake = tmp_path / "sweep", tmp_path / "bin"
+    fake.mkdir()
+    real = subprocess.run(["sh", "-c", "command -v sbatch"], capture_output=True,
+                          text=True).stdout.strip()
+    count = tmp_path / "sbatch-calls"
+    (fake / "sbatch").write_text(  # the second submission hangs until the command is stopped
+        f'#!/bin/sh\necho x >> {count}\n'
+        f'[ "$(wc -l < {count})" -ge 2 ] && exec sleep 30\nexec {real} "$@"\n')
+    (fake / "sbatch").chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(HELPERS), "PATH": f"{fake}:{os.environ['PATH']}"}
+    try:
+        log = (tmp_path / "first.log").open("w")
+        proc = subprocess.Popen(command(sweep, *HELD, "seed=range(1,9)"), stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while not (count.exists() and len(count.read_text().split()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        said = (tmp_path / "first.log").read_text()
+        first = _recorded(sweep)
+        assert len(first) == 4 and all(f"slurm job {i}" in said for i in first), said[-3000:]
+        other = submit(sweep, *HELD, "seed=range(101,109)", timeout=120)
+        assert other.returncode == 2 and "was used by a sweep of other values" in other.stdout
+        rest = submit(sweep, *HELD, "seed=range(1,9)", timeout=120)
+        assert rest.returncode == 0 and rest.stdout.count("not submitted again") == 4, \
+            (rest.stdout + rest.stderr)[-3000:]
+        assert len(_queued(sweep)) == 8 and sorted(_recorded(sweep)) == _queued(sweep)
+    finally:
+        _scancel(sweep)
+
+
+def test_a_sweep_mode_that_is_not_octal_is_refused_in_one_line(tmp_path) -> None:
+    proc = submit(tmp_path / "sweep", *HELD, "+hydra.sweep.mode=abc", timeout=120)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in said, said[-3000:]
+    assert "hydra.sweep.mode=abc: give the sweep directory's permissions in octal" in said
+    assert _queued(tmp_path / "sweep") == []

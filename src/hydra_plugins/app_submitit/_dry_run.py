@@ -64,25 +64,44 @@ def problems(params: dict[str, Any], num_jobs: int) -> list[str]:
     partitions, nodes = slurm.partitions(), slurm.nodes()
     if partitions is None or nodes is None:
         return ["Slurm does not answer here (scontrol failed): nothing could be checked"]
-    name = params.get("partition") or slurm.default_partition(partitions)
-    if name is None:
+    names = requested(params, partitions)
+    if not names:
         return ["no partition given (hydra.launcher.partition) and the cluster has no "
                 "default one"]
-    if name not in partitions:
-        return [f"hydra.launcher.partition={name}: no such partition; the cluster has "
-                f"{', '.join(sorted(partitions))}"]
-    found: list[str] = []
-    if partitions[name].get("State", "UP") != "UP":
-        found.append(f"partition {name} is {partitions[name]['State']}: jobs would wait")
-    return found + never_runs(params, name, partitions, nodes)
+    unknown = [name for name in names if name not in partitions]
+    if unknown:
+        return [f"hydra.launcher.partition={','.join(names)}: no such partition "
+                f"{', '.join(unknown)}; the cluster has {', '.join(sorted(partitions))}"]
+    found = [f"partition {name} is {partitions[name]['State']}: jobs would wait"
+             for name in names if partitions[name].get("State", "UP") != "UP"]
+    return found + (never_runs(params, partitions, nodes) or [])
 
 
-def never_runs(params: dict[str, Any], name: str, partitions: dict[str, dict[str, str]],
-               nodes: dict[str, dict[str, str]]) -> list[str]:
-    """What partition `name` (one the cluster has) could never run, however long the job
-    waited: over its time or node limit, more CPUs, memory or GPUs than any of its nodes
-    offers. sbatch accepts some of these, and the job pends forever (PartitionConfig,
-    PartitionNodeLimit, PartitionTimeLimit); the launcher refuses them before submitting."""
+def requested(params: dict[str, Any], partitions: dict[str, dict[str, str]]) -> list[str]:
+    """The partitions a job asks for: `partition` (a comma-separated list: Slurm runs the job
+    in the first that can), or the cluster's default."""
+    given = params.get("partition") or slurm.default_partition(partitions) or ""
+    return [name.strip() for name in str(given).split(",") if name.strip()]
+
+
+def never_runs(params: dict[str, Any], partitions: dict[str, dict[str, str]],
+               nodes: dict[str, dict[str, str]]) -> list[str] | None:
+    """Why none of the requested partitions could ever run the job, however long it waited
+    ([] when one can; None when a requested partition is not one the cluster has, which
+    sbatch refuses in its own words). sbatch accepts such a job, and it pends forever
+    (PartitionConfig, PartitionNodeLimit, PartitionTimeLimit); the launcher refuses it
+    before submitting."""
+    names = requested(params, partitions)
+    if not names or any(name not in partitions for name in names):
+        return None
+    found = [_never_runs_on(params, name, partitions, nodes) for name in names]
+    return [] if not all(found) else [line for lines in found for line in lines]
+
+
+def _never_runs_on(params: dict[str, Any], name: str, partitions: dict[str, dict[str, str]],
+                   nodes: dict[str, dict[str, str]]) -> list[str]:
+    """What partition `name` could never run: over its time or node limit, more CPUs per node
+    than it allows, more CPUs, memory or GPUs than any of its nodes offers."""
     found: list[str] = []
     part = partitions[name]
     limit = slurm.minutes(part.get("MaxTime", ""))
@@ -96,6 +115,11 @@ def never_runs(params: dict[str, Any], name: str, partitions: dict[str, dict[str
         found.append(f"nodes={params['nodes']}: partition {name} has {len(members)} node(s)"
                      + (f", at most {max_nodes} per job" if max_nodes.isdigit() else ""))
     cpus = (params.get("cpus_per_task") or 1) * params["tasks_per_node"]
+    max_cpus = part.get("MaxCPUsPerNode", "UNLIMITED")
+    if max_cpus.isdigit() and cpus > int(max_cpus):
+        found.append(f"{cpus} CPU(s) per node (hydra.launcher.cpus_per_task="
+                     f"{params.get('cpus_per_task') or 1} x {params['tasks_per_node']} "
+                     f"task(s)): over partition {name}'s MaxCPUsPerNode of {max_cpus}")
     gpus = params.get("gpus_per_node") or 0
     mem_mb = None if params.get("mem_gb") is None else params["mem_gb"] * 1024
     offered = {n: _offers(nodes[n]) for n in members}

@@ -59,10 +59,7 @@ def refuse_never_runs(executor: str, params: dict[str, Any], num_jobs: int) -> N
     if partitions is None or nodes is None:
         log.debug("Slurm did not answer: the request is not checked against its nodes")
         return
-    name = params.get("partition") or slurm.default_partition(partitions)
-    if name is None or name not in partitions:
-        return
-    found = never_runs(params, name, partitions, nodes)
+    found = never_runs(params, partitions, nodes)
     if found:
         log.error("Slurm would never start %s (%s wait forever): %s. Ask for less or choose "
                   "another hydra.launcher.partition (hydra.launcher.dry_run=true checks a "
@@ -137,10 +134,7 @@ class Stuck:
         asks = (f"it asks {p['nodes']} node(s) with {cpus} CPU(s){memory} and "
                 f"{p.get('gpus_per_node') or 0} GPU(s) each, for {p['timeout_min']} min")
         partitions, nodes = slurm.partitions(), slurm.nodes()
-        name = p.get("partition") or (partitions and slurm.default_partition(partitions))
-        if not partitions or nodes is None or name not in partitions:
-            return asks
-        found = never_runs(p, name, partitions, nodes)
+        found = never_runs(p, partitions, nodes) if partitions and nodes is not None else None
         return f"{asks}; {'; '.join(found)}" if found else asks
 
 

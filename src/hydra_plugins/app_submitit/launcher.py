@@ -81,6 +81,8 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         self.max_num_failures = params.pop("max_num_failures", 0)
         self.snapshot_max_mb = params.pop("snapshot_max_mb", 100)
         self.followed = 0  # jobs of this sweep followed from an earlier submission
+        self.jobs: dict[int, Any] = {}  # num -> job: followed, and submitted so far
+        self.in_sbatch = False  # an array's submission has begun and not returned
         super().__init__(**params)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
@@ -117,9 +119,10 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         from ._pending import refuse_never_runs
 
         refuse_never_runs(self._EXECUTOR, self.params, len(nums))  # (no node can: exit 2)
+        mode = self._sweep_mode()
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        if "mode" in self.config.hydra.sweep:  # (as the stock launcher applies it)
-            sweep_dir.chmod(int(str(self.config.hydra.sweep.mode), 8))
+        if mode is not None:
+            sweep_dir.chmod(mode)
         log.info("submitit '%s' sweep output dir: %s", self._EXECUTOR, sweep_dir)
         for num in nums:
             log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides[num])))
@@ -131,23 +134,38 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
             # Shared by every SlurmJob of this process (submitit's design): jobs register
             # with it when created, so it is set before submitting.
             set_slurm_watcher(SlurmStates())
-        jobs: dict[int, Any] = {}
         try:
             with _sigterm_as_interrupt(self._EXECUTOR == "slurm"):
                 jobs = self._submit(submitit, executor, overrides, sweep_dir)
                 if not self.wait:
                     return self._detached(jobs, overrides, sweep_dir)
-                log.info("submitted as %s job%s %s; waiting for the results (Ctrl-C stops the "
-                         "waiting, not the jobs)", self._EXECUTOR, "s" * (len(jobs) > 1),
+                log.info("waiting for the results of %s job%s %s (Ctrl-C stops the waiting, "
+                         "not the jobs)", self._EXECUTOR, "s" * (len(jobs) > 1),
                          ", ".join(jobs[num].job_id for num in nums))
                 return [self._result(jobs[num], num, overrides[num]) for num in nums]
         except KeyboardInterrupt as e:
             if self._EXECUTOR != "slurm":
                 raise  # local jobs are this command's children: they get the Ctrl-C too
+            if not self.jobs and not self.in_sbatch:
+                _stopped(e, "nothing was submitted")
             from ._job_report import report_left
 
-            report_left(jobs, self._run_dir)
+            report_left(self.jobs, self._run_dir)
             _stopped(e, "the waiting ended, not the jobs")
+
+    def _sweep_mode(self) -> int | None:
+        """`hydra.sweep.mode` (octal, as the stock launcher applies it to the sweep directory),
+        or exit 2 before anything is submitted."""
+        assert self.config is not None
+        if "mode" not in self.config.hydra.sweep:
+            return None
+        mode = str(self.config.hydra.sweep.mode)
+        try:
+            return int(mode, 8)
+        except ValueError:
+            log.error("hydra.sweep.mode=%s: give the sweep directory's permissions in octal, "
+                      "as chmod takes them (750) (nothing was submitted)", mode)
+            sys.exit(2)
 
     def _executor(self, submitit: Any) -> Any:
         """submitit's executor, set up as in the stock launcher: plugin keys that are not shared
@@ -211,7 +229,7 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
                       "directories would be resumed as these jobs'; give this sweep a new "
                       "hydra.sweep.dir (nothing was submitted)", sweep_dir, "; ".join(clashes))
             sys.exit(2)
-        jobs: dict[int, Any] = {}
+        jobs = self.jobs = {}  # (this batch's)
         if self._EXECUTOR == "slurm":
             try:
                 record = _submission.read(sweep_dir)
@@ -229,17 +247,28 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         self.followed = len(jobs)  # (from an earlier submission)
         if fresh and self._EXECUTOR == "slurm" and self.code_snapshot:
             self._snapshot(executor, sweep_dir)
-        jobs.update(self._submit_arrays(submitit, executor, fresh, overrides))
-        for num, job in jobs.items():  # (a run directory may be named by it)
-            with_job_id(self.composed[num], job.job_id)
-        if self._EXECUTOR == "slurm":
-            for num in fresh:
-                _submission.keep_config(self._run_dir(num), self.composed[num])
-            _submission.write(sweep_dir, self._EXECUTOR, [
-                {"num": num, "job_id": jobs[num].job_id, "overrides": overrides[num],
-                 "run_dir": str(self._run_dir(num)), "tasks": self._num_tasks()}
-                for num in nums], self.wait, str(self.params["submitit_folder"]))
+        self._record(list(jobs), overrides, sweep_dir, submitted=False)
+        self._submit_arrays(submitit, executor, fresh, overrides, sweep_dir)
         return jobs
+
+    def _record(self, nums: list[int], overrides: dict[int, list[str]], sweep_dir: Path,
+                submitted: bool = True) -> None:
+        """Record jobs `nums` as soon as they are known, each array as it is submitted: a
+        command stopped between two arrays leaves its jobs on record, for the same command to
+        follow and a sweep of other values to be refused. (A job followed from an earlier
+        submission, `submitted=False`, keeps the config it was submitted with.)"""
+        from . import _submission
+
+        for num in nums:  # (a run directory may be named by its job id)
+            with_job_id(self.composed[num], self.jobs[num].job_id)
+        if self._EXECUTOR != "slurm" or not nums:
+            return
+        for num in nums if submitted else []:
+            _submission.keep_config(self._run_dir(num), self.composed[num])
+        _submission.write(sweep_dir, self._EXECUTOR, [
+            {"num": num, "job_id": self.jobs[num].job_id, "overrides": overrides[num],
+             "run_dir": str(self._run_dir(num)), "tasks": self._num_tasks()}
+            for num in sorted(self.jobs)], self.wait, str(self.params["submitit_folder"]))
 
     def _snapshot(self, executor: Any, sweep_dir: Path) -> None:
         """Copy the code into the sweep directory; the jobs' script imports from the copy."""
@@ -258,9 +287,10 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         return int(self.params["nodes"]) * int(self.params["tasks_per_node"])
 
     def _submit_arrays(self, submitit: Any, executor: Any, nums: list[int],
-                       overrides: dict[int, list[str]]) -> dict[int, Any]:
+                       overrides: dict[int, list[str]], sweep_dir: Path) -> None:
         """Submit `nums` as job arrays that fit the cluster's MaxArraySize, each waiting for
-        the one before it where the sweep's array_parallelism asks (_dry_run.chained)."""
+        the one before it where the sweep's array_parallelism asks (_dry_run.chained); each
+        array recorded as it is submitted (into self.jobs, and `_record`)."""
         from ._dry_run import chained, chunks
 
         limit = None
@@ -271,13 +301,13 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         parts = chunks(nums, limit)
         chain = chained(parts, self.params.get("array_parallelism"))
         extra = dict(self.params.get("additional_parameters") or {})
-        jobs: dict[int, Any] = {}
         previous = None
         for part in parts:
             if chain and previous is not None:
                 executor.update_parameters(slurm_additional_parameters={
                     **extra, "dependency": f"afterany:{previous}"})
             with captured_stderr(self._EXECUTOR == "slurm") as said:  # (sbatch's lines)
+                self.in_sbatch = True
                 try:
                     submitted = executor.map_array(
                         self, [overrides[n] for n in part], ["hydra.sweep.dir"] * len(part),
@@ -289,16 +319,17 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
                 else:
                     refused = None
             if refused is not None:
-                self._refused_submission(refused, jobs, said)
+                self._refused_submission(refused, self.jobs, said)
             for line in said:  # (sbatch's warnings on a submission it took)
                 print(line, file=sys.stderr)
-            jobs.update(zip(part, submitted, strict=True))
+            self.jobs.update(zip(part, submitted, strict=True))
+            self.in_sbatch = False
+            self._record(part, overrides, sweep_dir)
             previous = submitted[0].job_id.split("_")[0]
             if len(parts) > 1:
                 log.info("jobs #%d-#%d: %s job %s", part[0], part[-1], self._EXECUTOR, previous)
         if chain:
             executor.update_parameters(slurm_additional_parameters=extra)
-        return jobs
 
     def _refused_submission(self, e: Exception, submitted: dict[int, Any],
                             stderr: list[str]) -> None:
