@@ -38,3 +38,37 @@ def test_a_stop_while_the_jobs_compose_says_nothing_was_submitted(
     assert ended.value.code == code
     assert f"stopped by {said}: {words} (the jobs' configs were being composed)" in caplog.text
     assert calls == [first, first + 1, "forgotten"]
+
+
+def test_sigterm_to_a_local_sweep_stops_its_job_with_a_checkpoint(tmp_path) -> None:
+    """The local jobs are the command's children but not in its terminal's reach for a
+    SIGTERM (a closed session, `kill`): the command stops them as Ctrl-C would, and they save;
+    they no longer train on, orphaned, to the end."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from conftest import REPO
+
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "-m", "hydra/launcher=submitit_local",
+         "model.channels=[8,16]", "trainer.max_epochs=200", "trainer.progress_bar=false",
+         f"hydra.sweep.dir={sweep}"], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ})
+    deadline = time.monotonic() + 120
+    while not (sweep / "0" / "metrics.csv").is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out[-3000:]
+    assert "stopped by SIGTERM: the local jobs were stopped (each saves a checkpoint)" in out
+    result = sweep / "0" / "result.json"
+    while time.monotonic() < deadline and json.loads(
+            result.read_text() if result.is_file() else "{}").get("status") in (None, "running"):
+        time.sleep(0.2)
+    ended = json.loads(result.read_text())
+    assert ended["status"] == "interrupted" and "checkpoint saved" in ended["error"], ended

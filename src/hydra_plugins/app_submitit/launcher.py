@@ -135,7 +135,7 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
             # with it when created, so it is set before submitting.
             set_slurm_watcher(SlurmStates())
         try:
-            with _sigterm_as_interrupt(self._EXECUTOR == "slurm"):
+            with _sigterm_as_interrupt(True):
                 jobs = self._submit(submitit, executor, overrides, sweep_dir)
                 if not self.wait:
                     return self._detached(jobs, overrides, sweep_dir)
@@ -145,6 +145,15 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
                 return [self._result(jobs[num], num, overrides[num]) for num in nums]
         except KeyboardInterrupt as e:
             if self._EXECUTOR != "slurm":
+                if isinstance(e, _Terminated):  # (a Ctrl-C reaches them from the terminal)
+                    import os
+
+                    for job in self.jobs.values():  # a local job's id is its process's pid,
+                        # which passes SIGTERM on to its task: it stops at a step and saves
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(int(job.job_id), signal.SIGTERM)
+                    _stopped(e, "the local jobs were stopped (each saves a checkpoint); the "
+                                "same command resumes them")
                 raise  # local jobs are this command's children: they get the Ctrl-C too
             if not self.jobs and not self.in_sbatch:
                 _stopped(e, "nothing was submitted")
