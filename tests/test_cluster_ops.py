@@ -375,3 +375,22 @@ def test_a_submission_sbatch_refuses_is_one_line_with_sbatchs_words(tmp_path) ->
            "submission failed: Invalid partition name specified" in said, said[-3000:]
     # (sbatch's own lines came through before ours: told once, in our line)
     assert "sbatch: error" not in said and "Traceback" not in said
+
+
+@pytest.mark.parametrize("marker", ["pyvenv.cfg", "conda-meta/history"])
+@pytest.mark.parametrize("git", [True, False])
+def test_the_snapshot_leaves_out_an_environment_inside_the_project(tmp_path, monkeypatch,
+                                                                   marker, git) -> None:
+    """A virtualenv or conda environment made inside the checkout (untracked, not ignored)
+    was copied into every submission: 1.5 GB, refused over snapshot_max_mb."""
+    from hydra_plugins.app_submitit._snapshot import files_of
+
+    project = tmp_path / "project"
+    (project / "v" / "lib").mkdir(parents=True)
+    (project / "v" / marker).parent.mkdir(parents=True, exist_ok=True)
+    (project / "v" / marker).write_text("home = /usr/bin\n")
+    (project / "v" / "lib" / "big.py").write_text("x = 1\n")
+    (project / "train_mine.py").write_text("x = 1\n")
+    if git:
+        subprocess.run(["git", "init", "-q", str(project)], check=True)
+    assert sorted(map(str, files_of(project))) == ["train_mine.py"]

@@ -69,6 +69,10 @@ class DataItemError(AppError):
         super().__init__(message)
 
 
+class LockHeld(Exception):  # noqa: N818 (reads as what happened)
+    """Another process holds a lock this one asked for at once: `pid P on HOST`."""
+
+
 class InternalMissing(RuntimeError):
     """A private attribute app relies on is gone: an upgrade moved it (see app._private). A bug
     of this version of app, not a user's mistake: it keeps its traceback."""

@@ -34,7 +34,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from app.env import ProcessEnv, this_process
-from app.errors import RunDirInUse
+from app.errors import LockHeld, RunDirInUse
 from app.launch import run_record
 
 log = logging.getLogger(__name__)
@@ -164,14 +164,10 @@ def _lock_within(file: Any, wait_s: float, poll_s: float, on_wait: Callable[[], 
             time.sleep(poll_s)
 
 
-class Held(Exception):  # noqa: N818 (reads as what happened)
-    """Another process holds the lock: `pid P on HOST`."""
-
-
 @contextlib.contextmanager
 def held_now(path: Path) -> Iterator[None]:
     """An exclusive flock on `path` for the block, taken at once, this process named in the
-    file; `Held` naming the holder when another process has it. Where the file system has no
+    file; `LockHeld` naming the holder when another process has it. Where the file system has no
     locks, a warning and the block runs unlocked."""
     file = _open(path)
     try:
@@ -179,7 +175,7 @@ def held_now(path: Path) -> Iterator[None]:
     except BlockingIOError:
         holder = _holder(file)
         file.close()
-        raise Held(holder) from None
+        raise LockHeld(holder) from None
     except OSError as e:
         file.close()
         log.warning("cannot lock %s (%s): a second command there would not be detected", path,

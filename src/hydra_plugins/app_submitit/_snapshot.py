@@ -72,13 +72,21 @@ def files_of(root: Path) -> list[Path]:
     except (OSError, subprocess.TimeoutExpired):
         listed = None
     if listed is not None and listed.returncode == 0:
-        return [Path(p.decode()) for p in listed.stdout.split(b"\0")
-                if p and (root / p.decode()).is_file()]
+        files = [Path(p.decode()) for p in listed.stdout.split(b"\0") if p]
+        envs = {d for d in {p for f in files for p in f.parents} if _environment(root / d)}
+        return [f for f in files if not envs & set(f.parents) and (root / f).is_file()]
     found = []
     for parent, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"
+                   and not _environment(Path(parent, d))]
         found += [Path(parent, n).relative_to(root) for n in names if n.endswith(".py")]
     return found
+
+
+def _environment(folder: Path) -> bool:
+    """A virtualenv or conda environment inside an import folder (the jobs run in theirs):
+    not code to copy, and often gigabytes."""
+    return (folder / "pyvenv.cfg").is_file() or (folder / "conda-meta").is_dir()
 
 
 def take(sweep_dir: Path, max_mb: float) -> Snapshot:

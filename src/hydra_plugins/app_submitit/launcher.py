@@ -214,12 +214,13 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         the same sweep directory (those are followed instead); record them all. One command
         at a time (an OS lock in the sweep directory): a second one submitting there meanwhile
         would submit the same jobs again; once this one has recorded them, it follows them."""
-        from app.launch.run_lock import Held, held_now
+        from app.errors import LockHeld
+        from app.launch.run_lock import held_now
 
         try:
             with held_now(sweep_dir / ".submit.lock"):
                 return self._submit_locked(submitit, executor, overrides, sweep_dir)
-        except Held as e:
+        except LockHeld as e:
             log.error("hydra.sweep.dir=%s is being submitted to by another command (%s): run "
                       "this one again once it has submitted (it then follows the same jobs), "
                       "or give it another hydra.sweep.dir (nothing was submitted)", sweep_dir, e)
@@ -386,7 +387,7 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         """Job `num`'s run directory; one named by a job id not given yet (before submission,
         `hydra.sweep.subdir=${hydra.job.id}`) is shown as `SWEEP/(job id)`."""
         config = self.composed[num]
-        if OmegaConf.is_missing(config.hydra.job, "id") and uses_job_id(config):
+        if uses_job_id(config) and OmegaConf.is_missing(config.hydra.job, "id"):
             return Path(str(config.hydra.sweep.dir), "(job id)")
         return Path(str(config.hydra.sweep.dir), str(config.hydra.sweep.subdir))
 
