@@ -88,7 +88,7 @@ def run_job(run_dir: Path, *overrides: str, user_code: Path | None = None) -> Jo
     as it was (`_process_left_alone`), so the runs of one pytest worker cannot affect each
     other."""
     from app.env import SINGLE  # (torch, the whole app: once per test process)
-    from app.launch.plan import launch
+    from app.launch.run import launch
 
     register_schemas()
     register_resolvers()

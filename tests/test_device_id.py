@@ -6,7 +6,8 @@ import pytest
 
 from app.env import SINGLE
 from app.errors import UserError
-from app.launch import plan as launch_module
+from app.launch import plan as plan_module
+from app.launch.run import launch
 from conftest import make_config
 
 
@@ -20,9 +21,9 @@ from conftest import make_config
 ])
 def test_device_id_without_its_device_says_what_to_type(monkeypatch, tmp_path, overrides,
                                                         words) -> None:
-    monkeypatch.setattr(launch_module, "available", lambda kind: kind == "cpu")  # a machine, no GPU
+    monkeypatch.setattr(plan_module, "available", lambda kind: kind == "cpu")  # a machine, no GPU
     with pytest.raises(UserError) as err:  # (a single process, not a rank of a job)
-        launch_module.launch(make_config(*overrides), tmp_path, SINGLE)
+        launch(make_config(*overrides), tmp_path, SINGLE)
     assert words in str(err.value), str(err.value)
     if "accelerator=cuda" in overrides:
         assert "accelerator=cuda device_id" not in str(err.value)  # not what the user typed

@@ -61,13 +61,13 @@ def test_helpers_and_the_per_machine_group(tmp_path) -> None:
 
 def test_a_host_that_does_not_resolve_fails_before_any_worker_starts(tmp_path,
                                                                      monkeypatch) -> None:
-    from app.launch import plan
+    from app.launch import run
 
-    monkeypatch.setattr(plan, "spawn", lambda *a: pytest.fail("workers were started"))
+    monkeypatch.setattr(run, "spawn", lambda *a: pytest.fail("workers were started"))
     cfg = make_config("devices=2", "dist_url=tcp://nonexistent.invalid:29511")
     with pytest.raises(UserError, match=r"^dist_url=tcp://nonexistent.invalid:29511: the host "
                                         r"nonexistent.invalid cannot be resolved"):
-        plan.launch(cfg, tmp_path, SINGLE)
+        run.launch(cfg, tmp_path, SINGLE)
 
 
 @pytest.mark.parametrize("override,words", [

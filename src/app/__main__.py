@@ -24,7 +24,8 @@ from app.errors import AppError, Interrupted, RunDirInUse, UserError, one_line
 from app.from_run import apply_run
 from app.launch import run_record
 from app.launch.completed import stop_signals_stop_nothing
-from app.launch.plan import launch, spawns_workers
+from app.launch.plan import spawns_workers
+from app.launch.run import launch
 from app.launch.run_lock import owns_run, take
 from app.launch.spawn import prestart
 from app.reporting.results import write_result
@@ -73,7 +74,7 @@ def main(dict_cfg: DictConfig) -> float | None:
     lock = None
     try:
         if record:
-            # Taken already, before Hydra wrote into the run directory (app.reporting.summary):
+            # Taken already, before Hydra wrote into the run directory (app.sweeps.summary):
             # RunDirInUse, naming the holder, if another command owns it.
             lock = take(run_dir)
         # Convert at the boundary: below here code sees plain, resolved, typed objects.

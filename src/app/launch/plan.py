@@ -1,8 +1,9 @@
 """Where a job runs and on what. `plan()` decides, once and before anything starts: in this
 process, as `devices` workers spawned here, or as one rank of a torchrun/SLURM/MPI job that is
-already running; and the device type, backend and device of each process. `launch()` carries
-the plan out. Compose once, then spawn: workers get the resolved config, the plan and the run
-directory from this process and never compose or create run directories of their own.
+already running; and the device type, backend and device of each process. It decides only:
+app.launch.run carries the plan out. Compose once, then spawn: workers get the resolved
+config, the plan and the run directory from this process and never compose or create run
+directories of their own.
 
 Imported without torch: app.__main__ asks `spawns_workers` before it imports torch, so that
 the worker server (app.launch.spawn) imports it at the same time. The device questions
@@ -14,20 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.config import Accelerator, AppConfig, Mode
 from app.env import ProcessEnv, check_horovod
-from app.errors import UserError, WorkerKilled
-from app.launch.rank_logs import setup_rank_logging
-from app.launch.spawn import spawn
-from app.launch.stacks import stacks_on_signal
-from app.reporting.results import write_result
+from app.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -148,48 +143,6 @@ def check_data_folder(data: dict[str, Any]) -> None:
         raise UserError(f"data.{key}={data[key]}: no such file or folder here")
 
 
-def launch(cfg: AppConfig, run_dir: Path, env: ProcessEnv) -> float | None:
-    """Run the job as `plan()` decides; returns the monitored metric."""
-    chosen = plan(cfg, env)
-    if chosen.how is How.spawn:
-        with stacks_on_signal(run_dir / "logs" / "launcher.stacks"):  # (kill -s RTMIN+4 PID)
-            return _spawn_restarting(cfg, run_dir, env, chosen)
-    from app.launch.worker import run_rank, worker  # (torch)
-
-    if chosen.how is How.rank:
-        setup_rank_logging(run_dir, env.rank, keep_handlers=env.rank == 0)
-        log.info("rank %d of %d from %s (rendezvous %s)", env.rank, env.world_size,
-                 env.kind.value, env.dist_url)
-        return run_rank(cfg, run_dir, chosen, env, _stall_reporter(run_dir, env.rank))
-    with stacks_on_signal(run_dir / "logs" / "rank0.stacks"):
-        return worker(cfg, run_dir, chosen.device())
-
-
-def _spawn_restarting(cfg: AppConfig, run_dir: Path, env: ProcessEnv, chosen: Plan
-                      ) -> float | None:
-    """Spawn the workers; after one dies by a signal (WorkerKilled), start them all again,
-    up to distributed.max_restarts times. They resume from the run directory's last
-    checkpoint (resume=auto) exactly as a rerun of the command would."""
-    allowed = cfg.distributed.max_restarts
-    restarts = 0
-    while True:
-        try:
-            return spawn(cfg, run_dir, chosen)
-        except WorkerKilled as killed:
-            if restarts >= allowed:
-                if not allowed:
-                    raise
-                raise WorkerKilled(f"{killed} (restarted {restarts} time(s), "
-                                   f"distributed.max_restarts={allowed})") from None
-            restarts += 1
-            log.warning("%s: restarting the %d workers from the last checkpoint (%d of "
-                        "distributed.max_restarts=%d)", killed, chosen.devices, restarts,
-                        allowed)
-        # What was checkpointed in this run directory, whatever the first start loaded.
-        cfg = replace(cfg, resume="auto")
-        chosen = plan(cfg, env)  # (a new rendezvous port)
-
-
 # -- what this machine has ----------------------------------------------------------------
 
 def _module(kind: str) -> Any:
@@ -277,20 +230,6 @@ def _no_such_device(kind: str, count: int, requested: str) -> str:
         return f"{kind} has one device, and no GPU or other accelerator is visible; drop device_id"
     return (f"{kind} has one device: device_id picks among GPUs and other accelerators "
             f"(accelerator=cuda device_id=N); drop it for accelerator={kind}")
-
-
-def _stall_reporter(run_dir: Path, rank: int) -> Callable[[str], None]:
-    """How a rank of a torchrun/SLURM job reports the stall that ends it (app.launch.watchdog): the
-    line in its log (rank 0's on the console too), and rank 0 records the failure, as
-    __main__ does for an error (the process exits without returning there)."""
-    started = time.monotonic()
-
-    def report(message: str) -> None:
-        log.error("%s", message)
-        if rank == 0:
-            write_result(run_dir, "failed", time.monotonic() - started, f"Stalled: {message}")
-
-    return report
 
 
 def _free_local_url() -> str:
