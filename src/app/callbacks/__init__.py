@@ -4,11 +4,11 @@ The contract is `base.Callback`; `base.Callbacks` calls them from the loop. The 
 are importable from here, so a config names them `app.callbacks.EarlyStopping`.
 """
 
-from app.callbacks.base import Callback, Callbacks, Run
 from app.callbacks.early_stopping import EarlyStopping
 from app.callbacks.eval_visuals import EvalVisuals
 from app.callbacks.lr_throughput import LRThroughputMonitor
 from app.callbacks.model_summary import ModelSummary
+from app.training.hooks import Callback, Callbacks, Run
 
 __all__ = ["Callback", "Callbacks", "EarlyStopping", "EvalVisuals", "LRThroughputMonitor",
            "ModelSummary", "Run"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from app.callbacks.base import Callback, Run
 from app.checks import whole
 from app.config import Monitor, MonitorMode
 from app.errors import UserError
+from app.training.hooks import Callback, Run
 
 METRICS = tuple(m.value for m in Monitor)  # the metrics the loop logs at validation
 

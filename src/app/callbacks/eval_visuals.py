@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from app.callbacks.base import Callback, Run
 from app.checks import whole
 from app.data import first_samples
 from app.reporting.grids import save_grid
+from app.training.hooks import Callback, Run
 
 
 class EvalVisuals(Callback):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from app.callbacks.base import Callback, Run
+from app.training.hooks import Callback, Run
 
 
 class LRThroughputMonitor(Callback):

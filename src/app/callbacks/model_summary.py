@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from app.callbacks.base import Callback, Run
 from app.checks import whole
+from app.training.hooks import Callback, Run
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from app.checkpoint.writer import CheckpointWriter
 from app.errors import UserError
 
 if TYPE_CHECKING:
-    from app.callbacks import Callbacks
     from app.config import AppConfig
     from app.data import DataModule
+    from app.training.hooks import Callbacks
     from app.training.state import LoopState
     from app.training.step import TrainStep
 

@@ -16,7 +16,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from app import dist, progress
-from app.callbacks import Callbacks, Run
 from app.checkpoint.manager import CheckpointManager
 from app.config import AppConfig
 from app.data import DataModule
@@ -34,6 +33,7 @@ from app.training.build import (
     build_val_loader,
 )
 from app.training.ema import ModelEMA
+from app.training.hooks import Callbacks, Run
 from app.training.runtime import seed_everything
 from app.training.sharding import checkpoint_activations, shard
 from app.training.state import (

@@ -1,4 +1,5 @@
-"""The hook contract between the training loop and callbacks, and the dispatcher.
+"""The hook contract between the training loop and callbacks, and the dispatcher: beside the
+loop that calls it (users import it as `app.callbacks.Callback`).
 
 A callback subclasses `Callback` and overrides the hooks it needs; the loop calls only the
 overridden ones. Hooks run on rank 0 unless the class lists them in `every_rank` (or sets it
