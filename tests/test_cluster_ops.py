@@ -248,7 +248,7 @@ def test_the_snapshot_copies_what_the_jobs_import_in_the_order_they_search(tmp_p
 
 
 def test_a_sweep_directory_of_other_values_is_refused(tmp_path) -> None:
-    from app.sweep_dirs import conflicts
+    from app.sweeps.dirs import conflicts
 
     earlier = {0: ["optimizer.lr=0.01", "trainer.max_epochs=3"],
                1: ["optimizer.lr=0.003", "trainer.max_epochs=3"]}

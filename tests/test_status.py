@@ -37,7 +37,7 @@ def _run_dir(tmp_path: Path, result: dict | None = None, steps: int = 0, total: 
              attempts: int = 1) -> Path:
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)
-    lines = [f"[2026-12-03 10:00:0{a},000][app.reporting.summary][INFO] - attempt started: pid 1"
+    lines = [f"[2026-12-03 10:00:0{a},000][app.sweeps.summary][INFO] - attempt started: pid 1"
              for a in range(attempts)]
     lines += [f"[2026-12-03 10:00:09,000][app.training.loop][INFO] - step {s}/{total} epoch 0: "
               f"loss 1.0 lr 1e-3" for s in range(1, steps + 1)]

@@ -207,7 +207,7 @@ def _record(clock: str, message: str) -> str:
 
 
 def test_summary_counts_every_attempt_and_the_step_a_job_failed_at(tmp_path) -> None:
-    from app.reporting.summary import ATTEMPT, write_summary
+    from app.sweeps.summary import ATTEMPT, write_summary
 
     sweep = tmp_path / "sweep"
     # Job 0 was killed after 30 s, then resumed an hour later and completed in 5 s.
@@ -240,7 +240,7 @@ def test_summary_counts_every_attempt_and_the_step_a_job_failed_at(tmp_path) -> 
 
 def test_summary_shows_bools_as_typed(tmp_path) -> None:
     """Hydra's sweeper writes a typed `false` into overrides.yaml as Python's `False`."""
-    from app.reporting.summary import collect
+    from app.sweeps.summary import collect
 
     for num, ema in enumerate(["False", "True"]):
         _job_dir(tmp_path, num, [f"trainer.ema={ema}", "trainer.progress_bar=False"], [], None)
@@ -267,7 +267,7 @@ def test_summary_picture_names_what_became_of_jobs_without_a_value(tmp_path, mon
                                                                   ) -> None:
     from PIL import Image, ImageDraw
 
-    from app.reporting.plots import draw_summary
+    from app.sweeps.plots import draw_summary
 
     texts: list[str] = []
     text = ImageDraw.ImageDraw.text

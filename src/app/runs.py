@@ -23,7 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from app.flat import leaves
 from app.reporting.results import RESULT, folder_arg, read_metrics
-from app.reporting.summary import job_summary, overrides_of
+from app.sweeps.summary import job_summary, overrides_of
 
 SKIP = {".code", ".submitit", "checkpoints", "logs", "plots", ".hydra", "export"}
 

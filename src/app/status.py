@@ -21,7 +21,7 @@ from typing import Any
 from app import slurm
 from app.launch.run_lock import LOCK_NAME
 from app.reporting.results import folder_arg
-from app.reporting.summary import collect, job_summary
+from app.sweeps.summary import collect, job_summary
 
 PROGRESS = re.compile(r"\] - step (\d+)/(\d+) ")  # the loop's log line: "step N/M epoch E: ..."
 TAIL_BYTES = 1 << 16  # of train.log, where the last progress line is

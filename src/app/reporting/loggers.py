@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import LoggerConfig
-from app.errors import Interrupted, UserError
+from app.errors import Interrupted, UserError, first_line
 from app.files import appending, write_text_atomically
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class MLflowLogger:
                 return self.mlflow.start_run(run_id=run_id, tags=tags)
             except self.mlflow.exceptions.MlflowException as e:
                 log.warning("MLflow run %s (of the checkpoint) cannot be continued in %s (%s): "
-                            "a new MLflow run starts", run_id, uri, str(e).splitlines()[0])
+                            "a new MLflow run starts", run_id, uri, first_line(e))
         return self.mlflow.start_run(run_name=name, tags=tags)
 
     def log_params(self, params: dict[str, Any]) -> None:
@@ -162,7 +162,7 @@ class WandbLogger:
                 # The console stays ours (the progress bar, the log lines): W&B reads no output.
                 settings=wandb.Settings(console="off", silent=True))
         except wandb.errors.Error as e:  # no API key, no network: W&B's words, and the way out
-            raise UserError(f"logger.wandb: {str(e).splitlines()[0]} (logger.wandb_mode="
+            raise UserError(f"logger.wandb: {first_line(e)} (logger.wandb_mode="
                             f"offline logs without an account; wandb sync uploads later)") from e
         trackers["wandb"] = self.run.id
         id_file.write_text(self.run.id + "\n")

@@ -184,7 +184,7 @@ def report(executor: Any, params: dict[str, Any], max_num_failures: int,
     from hydra.core.utils import filter_overrides
 
     from app._private import sbatch_script
-    from app.sweep_dirs import conflicts
+    from app.sweeps.dirs import conflicts
 
     nums = sorted(overrides)
     limit = slurm.max_array_size() if on_slurm else None

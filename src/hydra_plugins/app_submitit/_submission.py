@@ -75,7 +75,7 @@ def standing(record: dict[str, Any], overrides: dict[int, list[str]]) -> dict[in
     (their result.json says so). num -> (job id, state)."""
     from app import slurm
     from app.reporting.results import RESULT
-    from app.sweep_dirs import same_job
+    from app.sweeps.dirs import same_job
 
     earlier = {num: job for num, job in jobs_by_num(record).items()
                if num in overrides and same_job(job.get("overrides"), overrides[num])

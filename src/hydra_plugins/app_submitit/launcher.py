@@ -228,7 +228,7 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
 
     def _submit_locked(self, submitit: Any, executor: Any, overrides: dict[int, list[str]],
                        sweep_dir: Path) -> dict[int, Any]:
-        from app.sweep_dirs import conflicts
+        from app.sweeps.dirs import conflicts
 
         from . import _submission
 

@@ -25,8 +25,8 @@ from app.env import this_process
 from app.launch.completed import stop_signals_stop_nothing
 from app.launch.run_lock import claim_for_job, claim_for_run, refused
 from app.reporting.curves import draw_curves
-from app.reporting.plots import draw_summary
 from app.reporting.results import RESULT, run_summary
+from app.sweeps.plots import draw_summary
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class SweepSummary(Callback):
     current after each job; print it at the end."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from app.sweep_dirs import refuse_other_values
+        from app.sweeps.dirs import refuse_other_values
 
         if not str(config.hydra.sweep.dir).strip():  # (`hydra.sweep.dir=$DIR`, DIR unset)
             print("hydra.sweep.dir is empty: give the sweep's directory, or leave it out for "
