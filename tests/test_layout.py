@@ -120,7 +120,8 @@ def _describe(graph: dict[str, set[str]], component: list[str]) -> str:
 
 def test_the_graph_sees_the_subpackages() -> None:
     graph = package_graph()
-    for package in ("launch", "training", "checkpoint", "modes", "reporting", "callbacks"):
+    for package in ("launch", "training", "checkpoint", "modes", "reporting", "sweeps",
+                    "callbacks"):
         assert package in graph
     assert "training" in graph["launch"]  # the launcher runs training: an edge it must see
 
@@ -131,25 +132,66 @@ def test_cycles_are_found() -> None:
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-# Edges that still close a circle, each to go (and this list with it): the test fails on any
-# other circle, and on an edge listed here that is gone.
-KNOWN = {
-    # callbacks.base's `Run` holds the loop's LoopState, `Callbacks.build` instantiates through
-    # training.build, ModelSummary prints training.build.model_summary; the loop (training)
-    # builds and calls the callbacks. The loop's side is the one that should stay.
-    ("callbacks", "training"),
-    # reporting.summary, the sweep's Hydra callback, claims run directories through
-    # launch.run_lock; launch.plan writes result.json through reporting.results.
-    ("reporting", "launch"),
-}
-
-
 def test_no_package_level_cycle() -> None:
     graph = package_graph()
-    stale = sorted(edge for edge in KNOWN if edge[1] not in graph.get(edge[0], ()))
-    assert not stale, f"no longer imported: take {stale} out of KNOWN"
-    for source, target in KNOWN:
-        graph[source].discard(target)
     found = cycles(graph)
     assert not found, "package-level import cycles in app:\n" + "\n".join(
         _describe(graph, component) for component in found)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each module of app and the app modules it imports, those only type checkers read
+    included (they tie two modules together for a reader too); a package's `__init__`
+    re-exporting its own modules is left out (that is what it is for)."""
+    files = {".".join(p.relative_to(APP.parent).with_suffix("").parts).removesuffix(
+        ".__init__"): p for p in sorted(APP.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files
+                         else node.module for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            targets |= {name for name in names if name in files}
+        package = path.name == "__init__.py"
+        graph[module] = {t for t in targets if t != module
+                         and not (package and t.startswith(module + "."))}
+    return graph
+
+
+def test_no_module_level_cycle() -> None:
+    graph = module_graph()
+    assert "app.launch.spawn" in graph["app.launch.run"]  # (an edge it must see)
+    assert cycles(graph) == []
+
+
+# The layers, top to bottom: a node imports only from layers below its own (the shared
+# top-level modules, the last layer, import among themselves without a circle:
+# test_no_module_level_cycle). Annotations only type checkers read are left out: the
+# checkpoint manager still names the training step's types it saves.
+LAYERS = [
+    {"__main__", "status", "runs", "report", "ckpt"},  # entry points
+    {"sweeps"},  # what a sweep leaves, its Hydra callback
+    {"launch"},  # where a job runs: plan, run, spawn, worker, watchdog
+    {"modes", "callbacks"},  # what a job does besides training; extensions of the loop
+    {"training"},  # the loop, its step, state and hooks
+    {"checkpoint"},
+    {"data", "reporting"},  # data sets; what one run leaves
+]
+
+
+def test_imports_run_downward() -> None:
+    layer = {node: i for i, nodes in enumerate(LAYERS) for node in nodes}
+    shared = len(LAYERS)
+    def up(source: str, target: str) -> bool:
+        above, below = layer.get(source, shared), layer.get(target, shared)
+        return below < above or below == above != shared
+
+    upward = sorted(f"{source} -> {target}" for source, targets in package_graph().items()
+                    for target in targets if up(source, target))
+    assert upward == []
+    assert {"launch", "training", "sweeps"} <= set(layer)  # (the layers name real packages)
