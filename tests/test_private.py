@@ -132,15 +132,6 @@ def test_the_dataloader_sigchld_handler_is_kept_out(monkeypatch, unset: bool) ->
         signal.signal(signal.SIGCHLD, previous)
 
 
-def test_a_config_node_is_read_unresolved() -> None:
-    from omegaconf import DictConfig, OmegaConf
-
-    cfg = OmegaConf.create({"a": {"b": "${hydra:runtime.cwd}"}})
-    child = _private.config_node(cfg, "a")
-    assert isinstance(child, DictConfig)
-    assert OmegaConf.to_container(child) == {"b": "${hydra:runtime.cwd}"}  # not resolved
-
-
 def test_the_sbatch_script_of_an_array_is_written_as_submitit_writes_it(tmp_path) -> None:
     import submitit
 

@@ -96,12 +96,6 @@ def job_error(result: Any) -> BaseException:
     return _attr(result, "_return_value")
 
 
-def config_node(node: Any, key: str) -> Any:
-    """The child node `key` of an OmegaConf DictConfig, unresolved (reading it as `node[key]`
-    would resolve an interpolation, such as `${hydra:...}` outside a Hydra run)."""
-    return _attr(node, "_get_node")(key)
-
-
 # submitit -----------------------------------------------------------------------------------
 
 def slurm_info_watcher() -> type:

@@ -37,7 +37,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from app._private import config_node
 from app.checks import seed_value
 from app.errors import AppError, UserError  # noqa: F401 (the config's errors, re-exported)
 
@@ -252,7 +251,7 @@ def _unknown_keys(node: DictConfig, path: str = "") -> list[str]:
         return []  # model, data, optimizer, scheduler: free-form `_target_` nodes
     names = [f.name for f in dataclasses.fields(schema)]
     found = []
-    for key in node.keys():
+    for key, child in node.items_ex(resolve=False):  # (unresolved: ${hydra:...} outside a run)
         full = f"{path}{key}"
         if key not in names and (moved := renamed(full)):
             found.append(moved)
@@ -261,7 +260,7 @@ def _unknown_keys(node: DictConfig, path: str = "") -> list[str]:
             hint = f" (did you mean {path}{near[0]}?)" if near else ""
             found.append(f"{full}: not a key of the config{hint}; "
                          f"`python -m app --cfg job` prints every key")
-        elif isinstance(child := config_node(node, key), DictConfig):
+        elif isinstance(child, DictConfig):
             found += _unknown_keys(child, f"{full}.")
     return found
 

@@ -78,8 +78,13 @@ class InternalMissing(RuntimeError):
     of this version of app, not a user's mistake: it keeps its traceback."""
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of the error's message; its type's name when it has none."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def one_line(e: BaseException) -> str:
     """`Type: first line of the message` (the type alone for an empty one): how a run's
     records (result.json, a worker's report) keep the error that ended it."""
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+    first = first_line(e)
+    return type(e).__name__ if first == type(e).__name__ else f"{type(e).__name__}: {first}"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from app.errors import UserError
+from app.errors import UserError, first_line
 from app.flat import leaves
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def saved_config(run: str) -> tuple[Path, DictConfig]:
         return path, OmegaConf.load(saved)
     except Exception as e:  # (YAML errors come in several types): one line
         raise UserError(f"run={run}: its .hydra/config.yaml does not load: "
-                        f"{str(e).splitlines()[0]}") from None
+                        f"{first_line(e)}") from None
 
 
 def is_checkpoint(path: Path) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from app.checks import widths
-from app.errors import UserError
+from app.errors import UserError, first_line
 
 
 class CNN(nn.Module):
@@ -156,7 +156,7 @@ def torchvision_model(input_shape: tuple[int, ...], num_classes: int, name: str 
         import torchvision
     except (ImportError, RuntimeError) as e:  # (the CPU wheel: "operator torchvision::nms")
         raise UserError(f"model=torchvision needs torchvision, which does not import here "
-                        f"({str(e).strip().splitlines()[0]}): pip install torchvision for "
+                        f"({first_line(e)}): pip install torchvision for "
                         f"the installed torch") from None
     if input_shape[0] != 3:
         raise UserError(f"model=torchvision: torchvision's models take 3 channels, the data "
@@ -175,7 +175,7 @@ def timm_model(input_shape: tuple[int, ...], num_classes: int, name: str = "resn
         import timm
     except (ImportError, RuntimeError) as e:
         raise UserError(f"model=timm needs timm, which does not import here "
-                        f"({str(e).strip().splitlines()[0]}): pip install timm") from None
+                        f"({first_line(e)}): pip install timm") from None
     if not timm.is_model(name):
         raise UserError(f"model.name={name}: not a timm model (timm.list_models() lists them)")
     return timm.create_model(name, pretrained=pretrained, num_classes=num_classes,

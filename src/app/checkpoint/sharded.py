@@ -36,7 +36,7 @@ from torch import nn
 from app import progress
 from app.checkpoint import io
 from app.checkpoint.writer import BackgroundWrites
-from app.errors import AppError, UserError
+from app.errors import AppError, UserError, one_line
 from app.files import sync_dir
 
 log = logging.getLogger(__name__)
@@ -246,8 +246,7 @@ def _first_line(e: BaseException) -> str:
         return e.strerror
     if isinstance(e, RuntimeError) and "unexpected pos" in str(e):  # torch.save's zip writer
         return "a write failed: is the disk full?"
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    return one_line(e)
 
 
 def read_tensors(path: str | Path) -> dict[str, Any]:

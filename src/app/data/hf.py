@@ -20,7 +20,7 @@ from PIL import Image
 from app.data import transforms
 from app.data.base import split
 from app.data.images import ImageData, ImageSet
-from app.errors import BadImage, UserError
+from app.errors import BadImage, UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _load(path: Path, builder: str | None) -> Any:
         return datasets.load_dataset(builder, data_dir=str(path))
     except (FileNotFoundError, ValueError, ConnectionError, RuntimeError,
             datasets.exceptions.DatasetGenerationError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise UserError(f"data.path={path}: not a data set datasets can read ({reason})"
                         ) from None
 

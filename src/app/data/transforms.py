@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from app.errors import BadImage
+from app.errors import BadImage, first_line
 
 # What Pillow raises for a file it cannot read as an image (DecompressionBombError: a file
 # that claims to be far larger than any photo; Image.MAX_IMAGE_PIXELS).
@@ -30,7 +30,7 @@ def decode(path: Path | BinaryIO, mode: str, name: str | None = None) -> Image.I
         with Image.open(path) as image:
             return as_mode(ImageOps.exif_transpose(image), mode)
     except DECODE_ERRORS as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise BadImage(f"{name or path} is not a readable image ({reason})") from None
 
 

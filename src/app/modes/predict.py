@@ -23,7 +23,7 @@ from app.config import AppConfig
 from app.data import DataModule
 from app.data.base import IMAGE_SUFFIXES, is_image_name
 from app.data.transforms import DECODE_ERRORS
-from app.errors import BadImage, UserError
+from app.errors import BadImage, UserError, first_line
 from app.files import write_text_atomically
 from app.reporting.grids import save_grid
 from app.training.build import build_data, build_trained_model
@@ -34,7 +34,7 @@ def _from_npy(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
     try:
         array = np.load(path, allow_pickle=False)
     except (ValueError, EOFError, OSError) as e:  # a pickle, an empty or truncated file
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise UserError(f"predict.input={path}: not a readable .npy array ({reason})") from None
     if array.dtype.kind not in "biuf":
         kind = {"U": "strings", "S": "byte strings", "c": "complex numbers"}.get(
@@ -118,7 +118,7 @@ def _decoded(files: list[Path], data: DataModule, source: Path) -> torch.Tensor:
         except BadImage as e:
             raise UserError(f"predict.input={source}: {e}; remove or replace it") from None
         except DECODE_ERRORS as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = first_line(e)
             raise UserError(f"predict.input={source}: {file.name} is not a readable image "
                             f"({reason}); remove or replace it") from None
     return torch.stack(inputs)

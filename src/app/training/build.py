@@ -19,7 +19,7 @@ from app.checkpoint.layout import TrainedAt
 from app.checkpoint.restore import load_for_inference
 from app.config import AppConfig, Mode
 from app.data import DataModule
-from app.errors import UserError
+from app.errors import UserError, first_line
 from app.training.data_errors import NamedItems, no_async_worker_errors
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def instantiate_group(group: str, node: dict[str, Any], **kwargs: Any) -> Any:
         cause = e.__cause__
         if isinstance(cause, UserError):
             raise cause from None
-        reason = f"{type(cause).__name__}: {cause}" if cause else str(e).splitlines()[0]
+        reason = f"{type(cause).__name__}: {cause}" if cause else first_line(e)
         raise UserError(f"{group} ({node.get('_target_')}): {reason}") from e
 
 
