@@ -195,3 +195,12 @@ def test_imports_run_downward() -> None:
                     for target in targets if up(source, target))
     assert upward == []
     assert {"launch", "training", "sweeps"} <= set(layer)  # (the layers name real packages)
+
+
+def test_app_imports_nothing_of_its_hydra_plugins() -> None:
+    """The plugins (src/hydra_plugins) use app; app's own modules (`python -m app.status`
+    among them) read a sweep's record and its jobs' ends through app.sweeps."""
+    found = sorted(f"{path.relative_to(APP.parent)}: {name}" for path in APP.rglob("*.py")
+                   for name in _imported(ast.parse(path.read_text()))
+                   if name.startswith("hydra_plugins"))
+    assert found == []

@@ -294,7 +294,7 @@ def test_a_job_slurm_no_longer_lists_has_ended() -> None:
 
 
 def test_srun_reports_name_tasks_and_signals(tmp_path) -> None:
-    from hydra_plugins.app_submitit._job_report import srun_failures
+    from app.sweeps.job_end import srun_failures
 
     batch_log = tmp_path / "7_0_log.err"
     batch_log.write_text("srun: error: node1: task 1: Killed\n"

@@ -69,6 +69,16 @@ class DataItemError(AppError):
         super().__init__(message)
 
 
+class JobFailed(Exception):  # noqa: N818 (reads as the task's last line: "JobFailed: ...")
+    """Raised in a submitit task whose job recorded a failure but returned: its task must exit
+    non-zero (Slurm then marks the job FAILED)."""
+
+
+class RecordUnreadable(Exception):  # noqa: N818 (reads as what happened)
+    """A sweep's `submission.json` that cannot be read (cut short, edited by hand): not the
+    same as none, since its jobs may still be queued. The message names it."""
+
+
 class LockHeld(Exception):  # noqa: N818 (reads as what happened)
     """Another process holds a lock this one asked for at once: `pid P on HOST`."""
 

@@ -159,7 +159,7 @@ def failure_of(record: dict[str, Any], sweep_dir: Path, job: dict[str, Any], sta
     try:
         import submitit
 
-        from hydra_plugins.app_submitit._job_report import describe, outcomes
+        from app.sweeps.job_end import describe, outcomes
     except ImportError:
         return None
     folder = record.get("submitit_folder") or str(sweep_dir / ".submitit" / "%j")
@@ -174,11 +174,12 @@ def failure_of(record: dict[str, Any], sweep_dir: Path, job: dict[str, Any], sta
 
 def sweep_lines(sweep_dir: Path) -> list[tuple[str, str]]:
     """(status, line) per job of a sweep directory."""
-    from hydra_plugins.app_submitit._submission import Unreadable, jobs_by_num, read
+    from app.errors import RecordUnreadable
+    from app.sweeps.record import jobs_by_num, read
 
     try:
         record = read(sweep_dir)
-    except Unreadable as e:
+    except RecordUnreadable as e:
         print(f"warning: {e}: the jobs are read from their run directories", file=sys.stderr)
         record = {}
     recorded = jobs_by_num(record)

@@ -159,7 +159,8 @@ class JobSide:
         assert self.hydra_context is not None and self.task_function is not None
         enter()  # this job's place: detected once, in this process's entry
         if self._EXECUTOR == "slurm":
-            from ._job_report import JobFailed
+            from app.errors import JobFailed
+
             from ._recover import check_restarts
 
             too_many = check_restarts(self.params.get("max_num_timeout", 0),
@@ -187,9 +188,8 @@ class JobSide:
         import json
 
         from app.env import this_process
+        from app.errors import JobFailed
         from app.reporting.results import RESULT
-
-        from ._job_report import JobFailed
 
         record = run_dir / RESULT
         if this_process().is_rank or not record.is_file():

@@ -140,13 +140,14 @@ class Stuck:
 
 def _job_numbers(sweep_dir: Path) -> dict[str, int]:
     """Slurm job id -> job number, from the sweep's record ({} when it cannot be read)."""
-    from . import _submission
+    from app.errors import RecordUnreadable
+    from app.sweeps import record as sweep_record
 
     try:
-        record = _submission.read(sweep_dir)
-    except _submission.Unreadable:
+        record = sweep_record.read(sweep_dir)
+    except RecordUnreadable:
         return {}
-    return {job["job_id"]: num for num, job in _submission.jobs_by_num(record).items()}
+    return {job["job_id"]: num for num, job in sweep_record.jobs_by_num(record).items()}
 
 
 _launches: weakref.WeakKeyDictionary[Any, Stuck] = weakref.WeakKeyDictionary()

@@ -90,8 +90,7 @@ def requeued(job: Any, confirm_s: float = 10.0) -> bool:
     passes on the way."""
     from app import slurm
     from app._private import slurm_watcher
-
-    from ._job_report import outcomes
+    from app.sweeps.job_end import outcomes
 
     state = job.state.split()[0].upper() if job.state else ""
     results = outcomes(job, grace_s=0)

@@ -228,9 +228,9 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
 
     def _submit_locked(self, submitit: Any, executor: Any, overrides: dict[int, list[str]],
                        sweep_dir: Path) -> dict[int, Any]:
+        from app.errors import RecordUnreadable
+        from app.sweeps import record as sweep_record
         from app.sweeps.dirs import conflicts
-
-        from . import _submission
 
         nums = sorted(overrides)
         clashes = conflicts(overrides, {num: self._run_dir(num) for num in nums})
@@ -242,13 +242,13 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         jobs = self.jobs = {}  # (this batch's)
         if self._EXECUTOR == "slurm":
             try:
-                record = _submission.read(sweep_dir)
-            except _submission.Unreadable as e:
+                record = sweep_record.read(sweep_dir)
+            except RecordUnreadable as e:
                 log.error("%s: the jobs of the earlier submission are unknown, and one still "
                           "queued or running would be submitted again. Check squeue, then "
                           "move the file aside to submit (nothing was submitted)", e)
                 sys.exit(2)
-            for num, (job_id, state) in _submission.standing(record, overrides).items():
+            for num, (job_id, state) in sweep_record.standing(record, overrides).items():
                 log.info("job #%d (slurm job %s) is %s from an earlier submission of this "
                          "sweep: not submitted again", num, job_id, state)
                 jobs[num] = submitit.SlurmJob(folder=self.params["submitit_folder"],
@@ -267,15 +267,15 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         command stopped between two arrays leaves its jobs on record, for the same command to
         follow and a sweep of other values to be refused. (A job followed from an earlier
         submission, `submitted=False`, keeps the config it was submitted with.)"""
-        from . import _submission
+        from app.sweeps import record as sweep_record
 
         for num in nums:  # (a run directory may be named by its job id)
             with_job_id(self.composed[num], self.jobs[num].job_id)
         if self._EXECUTOR != "slurm" or not nums:
             return
         for num in nums if submitted else []:
-            _submission.keep_config(self._run_dir(num), self.composed[num])
-        _submission.write(sweep_dir, self._EXECUTOR, [
+            sweep_record.keep_config(self._run_dir(num), self.composed[num])
+        sweep_record.write(sweep_dir, self._EXECUTOR, [
             {"num": num, "job_id": self.jobs[num].job_id, "overrides": overrides[num],
              "run_dir": str(self._run_dir(num)), "tasks": self._num_tasks()}
             for num in sorted(self.jobs)], self.wait, str(self.params["submitit_folder"]))
@@ -392,7 +392,8 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
         return Path(str(config.hydra.sweep.dir), str(config.hydra.sweep.subdir))
 
     def _result(self, job: Any, num: int, overrides: list[str]) -> JobReturn:
-        from ._job_report import describe, outcomes
+        from app.sweeps.job_end import describe, outcomes
+
         from ._pending import wait
 
         wait(job, num, self)  # as job.wait(), naming a job that waits for a person (_pending)

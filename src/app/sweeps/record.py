@@ -3,10 +3,7 @@ job id, overrides and run directory), and each job's composed config in its run 
 (`.hydra/submitted.yaml`, with `.hydra/overrides.yaml`, so that summaries list a job before it
 starts). `python -m app.status` and `python -m app.report` read them; the same command run
 again with the same sweep directory reads them so as not to submit again a job that is still
-queued or running, or that completed.
-
-The module name starts with "_": Hydra's plugin scan skips it.
-"""
+queued or running, or that completed."""
 
 from __future__ import annotations
 
@@ -17,17 +14,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from app.errors import RecordUnreadable
 from app.files import write_text_atomically
 
 RECORD = "submission.json"
 
 
-class Unreadable(Exception):
-    """A record that cannot be read (cut short, edited by hand); the message names it."""
-
-
 def read(sweep_dir: Path) -> dict[str, Any]:
-    """The sweep's record ({} when there is none); `Unreadable` for one that cannot be read,
+    """The sweep's record ({} when there is none); `RecordUnreadable` for one that cannot be read,
     which is not the same as none: its jobs may still be queued."""
     path = sweep_dir / RECORD
     try:
@@ -35,14 +29,14 @@ def read(sweep_dir: Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except OSError as e:
-        raise Unreadable(f"{path} cannot be read ({e.strerror or e})") from e
+        raise RecordUnreadable(f"{path} cannot be read ({e.strerror or e})") from e
     try:
         record = json.loads(data)  # (bytes: JSON's own encodings, and a ValueError if none)
     except ValueError as e:
-        raise Unreadable(f"{path} is not valid JSON ({e})") from e
+        raise RecordUnreadable(f"{path} is not valid JSON ({e})") from e
     problem = _shape_problem(record)
     if problem:
-        raise Unreadable(f"{path} does not hold a sweep's record ({problem})")
+        raise RecordUnreadable(f"{path} does not hold a sweep's record ({problem})")
     return record
 
 
