@@ -11,8 +11,8 @@
 - Never waits forever: job states come from squeue where sacct fails (a cluster without
   accounting), so a job that ends without a result from every task (scancel, a killed task)
   ends the wait with one line: its state, the task that failed first and why
-  (_job_report.py). Ctrl-C stops the waiting, not the jobs: one line per job that goes on,
-  with how to watch or cancel it.
+  (app.sweeps.job_end). Ctrl-C stops the waiting, not the jobs: one line per job that goes
+  on, with how to watch or cancel it (_job_report.py).
 - Requeue after a checkpoint: app's loop itself handles submitit's requeue signal (see
   app/training/stop.py), so the stock `checkpoint()` (resubmit with the same arguments) suffices.
 """
@@ -29,14 +29,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf
 
-from ._job import JobSide, uses_job_id, with_job_id
-from ._sbatch import captured_stderr, refusal
+from ._job import JobSide, uses_job_id
+from ._submitting import SubmitSide
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ def _stopped(e: KeyboardInterrupt, what: str) -> NoReturn:
     sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
 
 
-class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
+class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
     def __init__(self, **params: Any) -> None:
         # app's own options, not submitit's (they must not reach its executor).
         self.wait, self.dry_run = params.pop("wait", True), params.pop("dry_run", False)
@@ -207,150 +206,6 @@ class _AppSubmititLauncher(JobSide, BaseSubmititLauncher):
                       "results of the others, which a command that does not wait never sees; "
                       "submit it with wait=true (nothing was submitted)", sweeper)
             sys.exit(2)
-
-    def _submit(self, submitit: Any, executor: Any, overrides: dict[int, list[str]],
-                sweep_dir: Path) -> dict[int, Any]:
-        """Submit every job that is not still queued or running from an earlier submission of
-        the same sweep directory (those are followed instead); record them all. One command
-        at a time (an OS lock in the sweep directory): a second one submitting there meanwhile
-        would submit the same jobs again; once this one has recorded them, it follows them."""
-        from app.errors import LockHeld
-        from app.launch.run_lock import held_now
-
-        try:
-            with held_now(sweep_dir / ".submit.lock"):
-                return self._submit_locked(submitit, executor, overrides, sweep_dir)
-        except LockHeld as e:
-            log.error("hydra.sweep.dir=%s is being submitted to by another command (%s): run "
-                      "this one again once it has submitted (it then follows the same jobs), "
-                      "or give it another hydra.sweep.dir (nothing was submitted)", sweep_dir, e)
-            sys.exit(2)
-
-    def _submit_locked(self, submitit: Any, executor: Any, overrides: dict[int, list[str]],
-                       sweep_dir: Path) -> dict[int, Any]:
-        from app.errors import RecordUnreadable
-        from app.sweeps import record as sweep_record
-        from app.sweeps.dirs import conflicts
-
-        nums = sorted(overrides)
-        clashes = conflicts(overrides, {num: self._run_dir(num) for num in nums})
-        if clashes:
-            log.error("hydra.sweep.dir=%s was used by a sweep of other values: %s. Its run "
-                      "directories would be resumed as these jobs'; give this sweep a new "
-                      "hydra.sweep.dir (nothing was submitted)", sweep_dir, "; ".join(clashes))
-            sys.exit(2)
-        jobs = self.jobs = {}  # (this batch's)
-        if self._EXECUTOR == "slurm":
-            try:
-                record = sweep_record.read(sweep_dir)
-            except RecordUnreadable as e:
-                log.error("%s: the jobs of the earlier submission are unknown, and one still "
-                          "queued or running would be submitted again. Check squeue, then "
-                          "move the file aside to submit (nothing was submitted)", e)
-                sys.exit(2)
-            for num, (job_id, state) in sweep_record.standing(record, overrides).items():
-                log.info("job #%d (slurm job %s) is %s from an earlier submission of this "
-                         "sweep: not submitted again", num, job_id, state)
-                jobs[num] = submitit.SlurmJob(folder=self.params["submitit_folder"],
-                                              job_id=job_id, tasks=range(self._num_tasks()))
-        fresh = [num for num in nums if num not in jobs]
-        self.followed = len(jobs)  # (from an earlier submission)
-        if fresh and self._EXECUTOR == "slurm" and self.code_snapshot:
-            self._snapshot(executor, sweep_dir)
-        self._record(list(jobs), overrides, sweep_dir, submitted=False)
-        self._submit_arrays(submitit, executor, fresh, overrides, sweep_dir)
-        return jobs
-
-    def _record(self, nums: list[int], overrides: dict[int, list[str]], sweep_dir: Path,
-                submitted: bool = True) -> None:
-        """Record jobs `nums` as soon as they are known, each array as it is submitted: a
-        command stopped between two arrays leaves its jobs on record, for the same command to
-        follow and a sweep of other values to be refused. (A job followed from an earlier
-        submission, `submitted=False`, keeps the config it was submitted with.)"""
-        from app.sweeps import record as sweep_record
-
-        for num in nums:  # (a run directory may be named by its job id)
-            with_job_id(self.composed[num], self.jobs[num].job_id)
-        if self._EXECUTOR != "slurm" or not nums:
-            return
-        for num in nums if submitted else []:
-            sweep_record.keep_config(self._run_dir(num), self.composed[num])
-        sweep_record.write(sweep_dir, self._EXECUTOR, [
-            {"num": num, "job_id": self.jobs[num].job_id, "overrides": overrides[num],
-             "run_dir": str(self._run_dir(num)), "tasks": self._num_tasks()}
-            for num in sorted(self.jobs)], self.wait, str(self.params["submitit_folder"]))
-
-    def _snapshot(self, executor: Any, sweep_dir: Path) -> None:
-        """Copy the code into the sweep directory; the jobs' script imports from the copy."""
-        from ._snapshot import TooLarge, take
-
-        try:
-            snapshot = take(sweep_dir, self.snapshot_max_mb)
-        except TooLarge as e:
-            log.error("%s; nothing was submitted", e)
-            sys.exit(2)
-        log.info("code snapshot: %d files (%.1f MB) in %s; the jobs and their requeues import "
-                 "from it", snapshot.files, snapshot.size / 1e6, snapshot.where)
-        executor.update_parameters(slurm_setup=self._setup_lines() + snapshot.setup_lines())
-
-    def _num_tasks(self) -> int:
-        return int(self.params["nodes"]) * int(self.params["tasks_per_node"])
-
-    def _submit_arrays(self, submitit: Any, executor: Any, nums: list[int],
-                       overrides: dict[int, list[str]], sweep_dir: Path) -> None:
-        """Submit `nums` as job arrays that fit the cluster's MaxArraySize, each waiting for
-        the one before it where the sweep's array_parallelism asks (_dry_run.chained); each
-        array recorded as it is submitted (into self.jobs, and `_record`)."""
-        from ._dry_run import chained, chunks
-
-        limit = None
-        if self._EXECUTOR == "slurm" and len(nums) > 1:
-            from app.slurm import max_array_size
-
-            limit = max_array_size()
-        parts = chunks(nums, limit)
-        chain = chained(parts, self.params.get("array_parallelism"))
-        extra = dict(self.params.get("additional_parameters") or {})
-        previous = None
-        for part in parts:
-            if chain and previous is not None:
-                executor.update_parameters(slurm_additional_parameters={
-                    **extra, "dependency": f"afterany:{previous}"})
-            with captured_stderr(self._EXECUTOR == "slurm") as said:  # (sbatch's lines)
-                self.in_sbatch = True
-                try:
-                    submitted = executor.map_array(
-                        self, [overrides[n] for n in part], ["hydra.sweep.dir"] * len(part),
-                        part, [f"job_id_for_{n}" for n in part],
-                        [Singleton.get_state()] * len(part))
-                except (submitit.core.utils.FailedJobError,
-                        submitit.core.utils.FailedSubmissionError) as e:
-                    refused = e
-                else:
-                    refused = None
-            if refused is not None:
-                self._refused_submission(refused, self.jobs, said)
-            for line in said:  # (sbatch's warnings on a submission it took)
-                print(line, file=sys.stderr)
-            self.jobs.update(zip(part, submitted, strict=True))
-            self.in_sbatch = False
-            self._record(part, overrides, sweep_dir)
-            previous = submitted[0].job_id.split("_")[0]
-            if len(parts) > 1:
-                log.info("jobs #%d-#%d: %s job %s", part[0], part[-1], self._EXECUTOR, previous)
-        if chain:
-            executor.update_parameters(slurm_additional_parameters=extra)
-
-    def _refused_submission(self, e: Exception, submitted: dict[int, Any],
-                            stderr: list[str]) -> None:
-        """sbatch refused the job (a partition that does not exist, a limit): its own words
-        in one line (_sbatch.refusal), instead of submitit's traceback and sbatch's lines."""
-        reason = refusal(e, stderr)
-        more = "" if not submitted else (
-            f"; jobs submitted before it go on: {', '.join(j.job_id for j in submitted.values())}")
-        log.error("%s refused the submission: %s (check it first with "
-                  "hydra.launcher.dry_run=true)%s", self._EXECUTOR, reason, more)
-        sys.exit(1)
 
     def _detached(self, jobs: dict[int, Any], overrides: dict[int, list[str]],
                   sweep_dir: Path) -> list[JobReturn]:
