@@ -76,10 +76,15 @@ def _ends_like_the_reference(proc: subprocess.Popen, sweep: Path, reference: Pat
     return log()
 
 
-def _started(sweep: Path) -> str:
+def _started(sweep: Path, proc: subprocess.Popen) -> str:
     metrics = sweep / "0" / "metrics.csv"
-    wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) > 30, 300,
-             "training to pass its third epoch")
+
+    def trained() -> bool:
+        if proc.poll() is not None:  # (the waiting command ended: why, at once, not in 300 s)
+            raise AssertionError((sweep.parent / f"{sweep.name}.log").read_text()[-3000:])
+        return metrics.is_file() and len(metrics.read_text().splitlines()) > 30
+
+    wait_for(trained, 300, "training to pass its third epoch")
     (job,) = job_ids(sweep)
     return job
 
@@ -89,7 +94,7 @@ def test_a_task_killed_by_a_signal_is_requeued_and_ends_bit_identical(tmp_path) 
     sweep = tmp_path / "killed"
     proc = submit_in_background(sweep, *TRAINING)
     try:
-        job = _started(sweep)
+        job = _started(sweep, proc)
         os.kill(task_pid(job, 1), signal.SIGKILL)  # as the OOM killer does
         reference = run_job(tmp_path / "reference", *TRAINING).run_dir
         wait_for(lambda: job_field(job, "Restarts") == "1"
@@ -119,7 +124,7 @@ def test_a_job_whose_node_fails_is_requeued_and_ends_bit_identical(tmp_path) -> 
     proc = submit_in_background(sweep, *TRAINING, "hydra.launcher.partition=faults")
     node = ""
     try:
-        job = _started(sweep)
+        job = _started(sweep, proc)
         node = job_field(job, "NodeList")
         assert node == "node3", node
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=down",
