@@ -274,7 +274,7 @@ def test_a_sigterm_after_the_run_completed_leaves_it_completed(tmp_path, devices
 
 FINALIZING = """
 import sys, time
-from app.launch.completed import stop_signals_stop_nothing
+from app.signals import stop_signals_stop_nothing
 stop_signals_stop_nothing()
 class Slow:  # a module global: its __del__ runs as the interpreter finalizes
     def __del__(self):

@@ -8,11 +8,12 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
+from app.signals import Terminated
 from hydra_plugins.app_submitit.launcher import AppSlurmLauncher
 
 
 @pytest.mark.parametrize("interrupt, code, said", [
-    ("KeyboardInterrupt", 130, "SIGINT (Ctrl-C)"), ("_Terminated", 143, "SIGTERM")])
+    (KeyboardInterrupt, 130, "SIGINT (Ctrl-C)"), (Terminated, 143, "SIGTERM")])
 @pytest.mark.parametrize("first, words", [
     (0, "nothing was submitted"), (4, "nothing more was submitted")])  # (a later batch)
 def test_a_stop_while_the_jobs_compose_says_nothing_was_submitted(
@@ -25,10 +26,7 @@ def test_a_stop_while_the_jobs_compose_says_nothing_was_submitted(
     def compose(overrides: list[str], num: int):
         calls.append(num)
         if num == first + 1:
-            # The launcher's module as it is now: Hydra's plugin scan runs plugin modules
-            # again, which makes their classes anew.
-            module = sys.modules[AppSlurmLauncher.__module__]
-            raise getattr(module, interrupt, KeyboardInterrupt)
+            raise interrupt
         return OmegaConf.create({})
 
     monkeypatch.setattr(launcher, "_compose_and_validate", compose)

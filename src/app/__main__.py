@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,13 +21,13 @@ from app.env import enter, reproducible_matmuls, this_process
 from app.errors import AppError, Interrupted, RunDirInUse, UserError, one_line
 from app.from_run import apply_run
 from app.launch import run_record
-from app.launch.completed import stop_signals_stop_nothing
 from app.launch.plan import spawns_workers
 from app.launch.run import launch
 from app.launch.run_lock import owns_run, take
 from app.launch.spawn import prestart
 from app.reporting.results import write_result
 from app.resolvers import register_resolvers
+from app.signals import exit_on, raise_on_sigterm, stop_signals_stop_nothing
 
 log = logging.getLogger("app")
 
@@ -49,24 +47,16 @@ except UserError as e:  # (MPI variables without MASTER_ADDR): one line, before 
 explain_composition_errors()  # a broken YAML file, a misspelt key: one line, not Hydra's report
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM before the loop or the launcher of the workers takes it (they stop at a step
-    with a checkpoint): ended as Ctrl-C is, with the run's record and its lock released."""
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise _Terminated
-
-
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     started = time.monotonic()
     env = this_process()
-    # (Not in a job of a job system, whose own SIGTERM handling is left as it is.)
-    if not env.is_rank and "SUBMITIT_EXECUTOR" not in os.environ and \
-            threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM before the loop or the launcher of the workers takes it (they stop at a step
+    # with a checkpoint): ended as Ctrl-C is, with the run's record and its lock released.
+    # (Not in a job of a job system: app.signals.hold_sigterm.)
+    if not env.is_rank and "SUBMITIT_EXECUTOR" not in os.environ:
+        raise_on_sigterm()
     # One process owns the run, holds its lock and records how it ended: machine 0's launcher
     # (the other machines of a nodes=N run share its directory), or rank 0 of a
     # torchrun/SLURM job.
@@ -116,9 +106,7 @@ def main(dict_cfg: DictConfig) -> float | None:
                 log.exception("the job failed")
             return math.nan
         if isinstance(e, KeyboardInterrupt):  # before the workers or the loop took it
-            sig = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
-            log.error("stopped by %s", "SIGTERM" if sig == signal.SIGTERM else "SIGINT (Ctrl-C)")
-            sys.exit(128 + sig)
+            exit_on(e, log.error)
         if not isinstance(e, AppError):
             raise
         log.error("%s", e)
@@ -134,6 +122,4 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt as e:  # while Hydra composes, or between a sweep's jobs
-        terminated = isinstance(e, _Terminated)
-        print(f"stopped by {'SIGTERM' if terminated else 'SIGINT (Ctrl-C)'}", file=sys.stderr)
-        sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
+        exit_on(e, lambda line: print(line, file=sys.stderr))

@@ -19,16 +19,15 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from app import signals
 from app._private import forkserver_pid as _forkserver_pid
 from app._private import set_multiprocessing_tempdir
 from app.config import AppConfig, Mode
 from app.errors import InternalMissing, Interrupted, WorkerFailed, WorkerKilled
-from app.launch.completed import stop_signals_stop_nothing
 from app.run_name import resume_hint
 
 if TYPE_CHECKING:
@@ -79,14 +78,8 @@ def _start_worker_server() -> None:
     the next worker's start with another). The launcher alone answers Ctrl-C; each worker
     takes SIGINT back at its start (app.launch.worker)."""
     _own_temp_dir()
-    if threading.current_thread() is not threading.main_thread():
+    with signals.caught(signal.SIG_IGN, (signal.SIGINT,)):
         multiprocessing.forkserver.ensure_running()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class _ParentSignals:
@@ -97,16 +90,17 @@ class _ParentSignals:
         self.completed = False  # the workers completed the run (see _after_completion)
 
     def __enter__(self) -> _ParentSignals:
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT,
-                                                                      signal.SIGTERM)}
+        self._previous = signals.install(self._handle)
+        held = signals.held()  # (a job's task, before this)
+        if held is not None:
+            self.received.append(held)
         return self
 
     def _handle(self, signum: int, frame: object) -> None:
         self.received.append(signum)
 
     def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        signals.restore(self._previous)
         if self.completed:
             self._after_completion()
 
@@ -117,7 +111,7 @@ class _ParentSignals:
         from hydra.types import RunMode
 
         if not (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN):
-            stop_signals_stop_nothing()
+            signals.stop_signals_stop_nothing()
 
 
 class _Pid:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import OmegaConf
 
-from app import dist
+from app import dist, signals
 from app.config import AppConfig, Mode
 from app.env import ProcessEnv, enter, spawned
 from app.errors import AppError, Interrupted, UserError, WorkerFailed, one_line
@@ -77,7 +77,9 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
         started = time.time()
         try:
             result = worker(cfg, run_dir, device, me.local_world_size)
-            previous = _ignore_stop_signals()
+            # Completed: a stop signal as the process ends would only turn it into a run ended
+            # by that signal (the launcher, or torchrun, kills an end that hangs).
+            previous = signals.install(signal.SIG_IGN)
             return result
         except Exception as e:
             if guard is not None:  # a collective failed as a stalled job ended: the stall
@@ -99,8 +101,7 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
             if guard is not None:
                 guard.stop()
             dist.destroy()
-            for sig, handler in (previous or {}).items():
-                signal.signal(sig, handler)
+            signals.restore(previous or {})
 
 
 def _record_failure(run_dir: Path, rank: int, error: BaseException) -> None:
@@ -125,15 +126,6 @@ def _first_failure(run_dir: Path, since: float) -> dict[str, Any] | None:
         if isinstance(record, dict) and record.get("time", 0) >= since:
             found.append(record)
     return min(found, key=lambda r: r["time"], default=None)
-
-
-def _ignore_stop_signals() -> dict[int, Any]:
-    """Once the run has completed, a stop signal (as the process ends) would only turn it into
-    a run ended by that signal; the launcher, or torchrun, still ends a process whose end hangs
-    with SIGKILL. Returns the handlers to put back."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _die_with_launcher(launcher_alive: Connection) -> None:
@@ -166,7 +158,7 @@ def _write_report(report: Path, name: str, **record: object) -> None:
 def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, plan: Plan,
                    report_dir: str, launcher_alive: Connection) -> None:
     """The target of each local worker process."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # (the server ignored it)
+    signals.install(signal.default_int_handler, (signal.SIGINT,))  # (the server ignored it)
     if cfg.machine_rank == 0:  # (the workers of the machine whose launcher owns the run)
         hold_as_worker(run_dir)  # no new owner of the run until this worker has ended
     _die_with_launcher(launcher_alive)
@@ -187,7 +179,7 @@ def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, plan: Plan,
 
     try:
         result = run_rank(cfg, run_dir, plan, me, stalled)
-        _ignore_stop_signals()  # (until this process exits)
+        signals.install(signal.SIG_IGN)  # (until this process exits)
     except BaseException as e:
         if isinstance(e, AppError):
             failures.error("%s", e)

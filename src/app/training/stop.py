@@ -14,16 +14,14 @@ the job, which resumes from the checkpoint).
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 
-from app import dist, progress
+from app import dist, progress, signals
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 REQUEUE_WAIT_S = 120
 
@@ -36,13 +34,11 @@ class StopRequest:
         self._pending: tuple[Any, torch.Tensor] | None = None
 
     def __enter__(self) -> StopRequest:
-        if threading.current_thread() is not threading.main_thread():
-            return self  # Python takes signals in the main thread only: nothing to catch here
-        for sig in SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        for sig in REQUEUE_SIGNALS:
-            if callable(signal.getsignal(sig)):  # a job system's own handler
-                self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous = signals.install(self._handle)
+        # A job system's own handler of a requeue signal
+        self._previous.update(signals.install(self._handle, tuple(
+            sig for sig in REQUEUE_SIGNALS if callable(signal.getsignal(sig)))))
+        self.signal = signals.held()  # (before the loop, in a job's task)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -94,6 +90,6 @@ class StopRequest:
         if self._pending is not None and exc_type is None:
             self._pending[0].wait()
         self._pending = None
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        signals.restore(self._previous)
+        self._previous = {}
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import pickle
 import signal
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -135,13 +134,12 @@ if OptunaSweeper is not None:
             impl.launcher.launch = launch_and_keep
             # Between trials no handler of the app's is set: SIGTERM would end the process
             # before the trials told since the last batch are kept.
-            previous = signal.signal(signal.SIGTERM, _exit) if \
-                threading.current_thread() is threading.main_thread() else None
+            from app.signals import caught
+
             try:
-                return impl.sweep(arguments)
+                with caught(_exit, (signal.SIGTERM,)):
+                    return impl.sweep(arguments)
             finally:
-                if previous is not None:
-                    signal.signal(signal.SIGTERM, previous)
                 impl.launcher.launch = launch
                 _save(path, impl.storage, impl.study_name, max(next_job[0], impl.job_idx),
                       running_from[0])

@@ -155,8 +155,12 @@ class JobSide:
 
         from app._private import job_error
         from app.env import enter
+        from app.signals import hold_sigterm
 
         assert self.hydra_context is not None and self.task_function is not None
+        # submitit ignores SIGTERM in a task (Slurm sends it before SIGKILL); one that comes
+        # while the run is set up must still stop the loop at its first step, with a checkpoint.
+        hold_sigterm()
         enter()  # this job's place: detected once, in this process's entry
         if self._EXECUTOR == "slurm":
             from app.errors import JobFailed

@@ -24,10 +24,9 @@ import logging
 import math
 import signal
 import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
@@ -42,34 +41,6 @@ log = logging.getLogger(__name__)
 # Before the user's `hydra.launcher.setup` lines: srun ends a job's other tasks when one
 # exits non-zero (a failed rank), instead of waiting for them.
 KILL_ON_BAD_EXIT = "export SLURM_KILL_BAD_EXIT=1"
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM to the submitting command (a closed session, `kill`): like Ctrl-C."""
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt(active: bool) -> Iterator[None]:
-    """SIGTERM stops the waiting as Ctrl-C does (the jobs that go on are listed), instead of
-    ending the command silently."""
-    if not active or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise _Terminated
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _stopped(e: KeyboardInterrupt, what: str) -> NoReturn:
-    terminated = isinstance(e, _Terminated)
-    log.error("stopped by %s: %s", "SIGTERM" if terminated else "SIGINT (Ctrl-C)", what)
-    sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
 
 
 class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
@@ -88,6 +59,10 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
                ) -> Sequence[JobReturn]:
         import submitit
 
+        # SIGTERM to the submitting command (a closed session, `kill`) stops it as Ctrl-C does:
+        # one line that says what was submitted, and what goes on.
+        from app.signals import Terminated, exit_on, sigterm_raises
+
         assert self.config is not None
         # submitit prints its warnings on stdout and on stderr; Hydra's console handler (which
         # the records reach anyway) is enough in the submitting process.
@@ -95,12 +70,12 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         if not self.wait:
             self._refuse_sweepers_that_need_results()
         try:
-            with _sigterm_as_interrupt(True):
+            with sigterm_raises():
                 self.composed = {initial_job_idx + i: self._compose_and_validate(
                     list(o), initial_job_idx + i) for i, o in enumerate(job_overrides)}
         except KeyboardInterrupt as e:  # (a large sweep composes for a while: ~0.1 s a job)
-            _stopped(e, f"nothing {'more ' if initial_job_idx else ''}was submitted (the "
-                        f"jobs' configs were being composed)")
+            exit_on(e, log.error, f"nothing {'more ' if initial_job_idx else ''}was "
+                                  f"submitted (the jobs' configs were being composed)")
         finally:
             self._forget_composed()
         nums = sorted(self.composed)
@@ -134,7 +109,7 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
             # with it when created, so it is set before submitting.
             set_slurm_watcher(SlurmStates())
         try:
-            with _sigterm_as_interrupt(True):
+            with sigterm_raises():
                 jobs = self._submit(submitit, executor, overrides, sweep_dir)
                 if not self.wait:
                     return self._detached(jobs, overrides, sweep_dir)
@@ -144,22 +119,22 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
                 return [self._result(jobs[num], num, overrides[num]) for num in nums]
         except KeyboardInterrupt as e:
             if self._EXECUTOR != "slurm":
-                if isinstance(e, _Terminated):  # (a Ctrl-C reaches them from the terminal)
+                if isinstance(e, Terminated):  # (a Ctrl-C reaches them from the terminal)
                     import os
 
                     for job in self.jobs.values():  # a local job's id is its process's pid,
                         # which passes SIGTERM on to its task: it stops at a step and saves
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(int(job.job_id), signal.SIGTERM)
-                    _stopped(e, "the local jobs were stopped (each saves a checkpoint); the "
-                                "same command resumes them")
+                    exit_on(e, log.error, "the local jobs were stopped (each saves a "
+                                          "checkpoint); the same command resumes them")
                 raise  # local jobs are this command's children: they get the Ctrl-C too
             if not self.jobs and not self.in_sbatch:
-                _stopped(e, "nothing was submitted")
+                exit_on(e, log.error, "nothing was submitted")
             from ._job_report import report_left
 
             report_left(self.jobs, self._run_dir)
-            _stopped(e, "the waiting ended, not the jobs")
+            exit_on(e, log.error, "the waiting ended, not the jobs")
 
     def _sweep_mode(self) -> int | None:
         """`hydra.sweep.mode` (octal, as the stock launcher applies it to the sweep directory),
