@@ -17,14 +17,12 @@ UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}
 
 def _parent_start_time() -> datetime | None:
     """When the parent process (torchrun's agent, shared by all ranks of a machine) started."""
+    import psutil
+
     try:
-        with open(f"/proc/{os.getppid()}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    except (OSError, ValueError, IndexError, StopIteration):
+        return datetime.fromtimestamp(psutil.Process(os.getppid()).create_time())
+    except psutil.Error:
         return None
-    return datetime.fromtimestamp(boot + ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def run_name(env: Mapping[str, str] | None = None, now: datetime | None = None) -> str:

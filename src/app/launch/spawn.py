@@ -7,27 +7,28 @@ imports torch itself, so that both imports run at the same time.
 from __future__ import annotations
 
 import atexit
-import json
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import re
-import select
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import psutil
 
 from app import signals
 from app._private import forkserver_pid as _forkserver_pid
 from app._private import set_multiprocessing_tempdir
 from app.config import AppConfig, Mode
 from app.errors import InternalMissing, Interrupted, WorkerFailed, WorkerKilled
+from app.launch import ends
 from app.run_name import resume_hint
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def _own_temp_dir() -> None:
     base = Path(tempfile.gettempdir())
     for old in base.glob(f"{MP_TEMP_PREFIX}*"):
         pid = old.name.removeprefix(MP_TEMP_PREFIX).split("-")[0]
-        if pid.isdigit() and not _Pid(int(pid)).alive():
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     mine = tempfile.mkdtemp(prefix=f"{MP_TEMP_PREFIX}{os.getpid()}-")
     try:
@@ -114,38 +115,25 @@ class _ParentSignals:
             signals.stop_signals_stop_nothing()
 
 
-class _Pid:
-    """A worker's pid, which stays valid after its parent (the forkserver) is gone: a pidfd
-    where the system has them, which also tells when the worker ends."""
+def _handle(pid: int) -> psutil.Process | None:
+    """A worker by pid that stays valid after its parent (the forkserver) is gone, and that is
+    never another process that took the pid over (psutil checks its start time)."""
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:  # it has ended already
+        return None
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        try:
-            self.fd: int | None = os.pidfd_open(pid)
-        except (AttributeError, OSError):  # no pidfds here, or it has ended already
-            self.fd = None
 
-    def alive(self) -> bool:
-        if self.fd is not None:
-            return not select.select([self.fd], [], [], 0)[0]
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+def _alive(handle: psutil.Process | None) -> bool:
+    try:
+        return handle is not None and handle.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
-    def send(self, sig: int) -> None:
-        try:
-            if self.fd is not None:
-                signal.pidfd_send_signal(self.fd, sig)
-            else:
-                os.kill(self.pid, sig)
-        except ProcessLookupError:
-            pass
 
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
+def _send(handle: psutil.Process | None, sig: int) -> None:
+    with contextlib.suppress(psutil.Error, AttributeError):
+        handle.send_signal(sig)
 
 
 def _forkserver_death(settle_s: float = 2.0) -> str | None:
@@ -172,21 +160,6 @@ def _forkserver_death(settle_s: float = 2.0) -> str | None:
     return f"(pid {pid}) exited with code {info.si_status}"
 
 
-def _report_dir(run_dir: Path) -> Path:
-    """Where the workers leave their results: in the run directory, so that nothing outlives
-    a launcher killed by SIGKILL anywhere else; one that such a launcher of this machine left
-    (its pid is dead) goes at the next start in this directory."""
-    host = socket.gethostname()
-    for old in run_dir.glob(f".workers-{host}-*"):
-        pid = old.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not _Pid(int(pid)).alive():
-            shutil.rmtree(old, ignore_errors=True)
-    path = run_dir / f".workers-{host}-{os.getpid()}"
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    return path
-
-
 def _last_checkpoint(run_dir: Path) -> str:
     periodic = sorted((run_dir / "checkpoints").glob("step-*.pt"))
     if not periodic:
@@ -202,25 +175,21 @@ def _killed_by_signal(procs: list, killed: set[int]) -> int | None:
     return None
 
 
-def _failure_message(procs: list, killed: set[int], reports: list[dict], grace: float,
+def _failure_message(procs: list, killed: set[int], cause: dict | None, grace: float,
                      timeout_s: float, run_dir: Path, base_rank: int) -> str:
-    # A rank named by the stall watchdog is the cause: the others ended because of it.
-    stalled = [r for r in reports if r.get("stall")]
-    if stalled:
-        return stalled[0]["error"]
-    # A worker that died of a signal we did not send is the cause; otherwise the earliest
-    # error, since a rank that fails makes its peers fail in their next collective.
+    """The cause: a stalled rank (the others ended because of it), a worker that died of a
+    signal we did not send, else the earliest failure (app.launch.ends)."""
     died = _killed_by_signal(procs, killed)
+    if cause is not None and cause["status"] == ends.STALLED:
+        return cause["error"]
     if died is not None:
         return (f"rank {base_rank + died} (pid {procs[died].pid}) was killed by "
                 f"{signal.Signals(-procs[died].exitcode).name}; the other workers were stopped")
-    if not reports:
+    if cause is None:
         codes = {base_rank + i: p.exitcode for i, p in enumerate(procs)}
         return f"workers exited with codes {codes}"
-    first = min(reports, key=lambda r: r["time"])
-    rank_log = run_dir / "logs" / f"rank{first['rank']}.log"
-    message = f"rank {first['rank']} failed: {first['error']} (traceback in {rank_log})"
-    if "timed out" in first["error"].lower() or "timeout" in first["error"].lower():
+    message = ends.failed_line(run_dir, cause)
+    if "timed out" in cause["error"].lower() or "timeout" in cause["error"].lower():
         message += (f"; a rank did not reach a collective within "
                     f"distributed.timeout_s={timeout_s:g}")
     if killed:
@@ -229,20 +198,22 @@ def _failure_message(procs: list, killed: set[int], reports: list[dict], grace: 
     return message
 
 
-def _stop_message(sig: int, cfg: AppConfig, killed: set[int], reports: list[dict],
+def _stop_message(sig: int, cfg: AppConfig, killed: set[int], ended: dict[int, dict],
                   devices: int, run_dir: Path, base_rank: int) -> str:
-    """What a stop by `sig` left behind, as the workers report it (a checkpoint is saved only
+    """What a stop by `sig` left behind, as the workers recorded it (a checkpoint is saved only
     when every rank reached the step they agreed to stop at)."""
     name = signal.Signals(sig).name
-    stopped = [r for r in reports if r.get("stopped")]  # (ended by Interrupted)
+    stopped = sorted((e for e in ended.values() if e["status"] == ends.STOPPED),
+                     key=lambda e: e["rank"])
     if len(stopped) == devices and not killed:  # every rank saved and stopped
-        step = re.search(r"at step (\d+)", min(stopped, key=lambda r: r["rank"])["error"])
+        step = re.search(r"at step (\d+)", stopped[0]["error"])
         return (f"stopped by {name}; the workers saved a checkpoint"
                 f"{f' at step {step[1]}' if step else ''}: {resume_hint(run_dir)}")
     if cfg.trainer.mode != Mode.trainval:
         return f"stopped by {name}"
-    if [r for r in reports if r.get("stall")]:
-        why = [r for r in reports if r.get("stall")][0]["error"]
+    stall = ends.first_failure(ended)
+    if stall is not None and stall["status"] == ends.STALLED:
+        why = stall["error"]
     elif killed:
         stuck = ", ".join(str(base_rank + i) for i in sorted(killed))
         why = f"rank(s) {stuck} did not stop and were killed"
@@ -253,93 +224,84 @@ def _stop_message(sig: int, cfg: AppConfig, killed: set[int], reports: list[dict
 
 
 def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
-    """Start `plan.devices` workers, watch them, and end them all if one fails or a signal
-    comes."""
+    """Start `plan.devices` workers (torch.multiprocessing.start_processes), watch them, and
+    end them all if one fails or a signal comes."""
+    import torch.multiprocessing
+
     from app.launch.worker import spawned_worker  # (torch: after the worker server has started)
 
-    if cfg.distributed.start_method == "forkserver":
+    method = cfg.distributed.start_method
+    if method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)  # (when prestart could not know)
         _start_worker_server()
-    ctx = multiprocessing.get_context(cfg.distributed.start_method)
     grace, devices, url = cfg.distributed.kill_grace_s, plan.devices, plan.url
     base_rank = cfg.machine_rank * devices
-    log.info("starting %d workers (%s, ranks %d-%d of %d, rendezvous %s)", devices,
-             cfg.distributed.start_method, base_rank, base_rank + devices - 1,
-             devices * cfg.nodes, url)
+    log.info("starting %d workers (%s, ranks %d-%d of %d, rendezvous %s)", devices, method,
+             base_rank, base_rank + devices - 1, devices * cfg.nodes, url)
     # Workers of a forkserver are its children, not ours, so PR_SET_PDEATHSIG cannot tell them
     # that this process died, and the server lives as long as they do: each worker instead
     # watches the read end of this pipe, which reaches end-of-file when we exit in any way.
-    launcher_alive, keep_open = ctx.Pipe(duplex=False)
-    report = _report_dir(run_dir)
-    pids: list[_Pid] = []
-    try:
-        with keep_open, _ParentSignals() as signals:
-            procs = [ctx.Process(target=spawned_worker, name=f"app-rank{base_rank + i}",
-                                 args=(i, cfg, run_dir, plan, str(report), launcher_alive))
-                     for i in range(devices)]
-            for proc in procs:
-                proc.start()
-                pids.append(_Pid(proc.pid))
-            launcher_alive.close()
-            killed, server_died = _watch(cfg, procs, pids, signals)
-            reports = [json.loads(p.read_text()) for p in report.glob("rank*.json")]
-            # Rank 0 records the result after the last collective: the run has completed,
-            # even if a signal reached a worker as it was exiting.
-            result = report / "result.json"
-            if server_died is None and result.is_file() and not reports:
+    launcher_alive, keep_open = multiprocessing.get_context(method).Pipe(duplex=False)
+    results, result_sent = multiprocessing.get_context(method).Pipe(duplex=False)
+    started = time.time()
+    with keep_open, results, _ParentSignals() as signals:
+        procs = torch.multiprocessing.start_processes(
+            spawned_worker, (cfg, run_dir, plan, launcher_alive, result_sent), devices,
+            join=False, start_method=method).processes
+        launcher_alive.close()
+        result_sent.close()
+        killed, server_died = _watch(cfg, procs, signals)
+        ended = ends.read(run_dir, started, range(base_rank, base_rank + devices))
+        # The first worker sends its result after the last collective: the run has completed,
+        # even if a signal reached a worker as it was exiting.
+        if server_died is None and not ended and results.poll():
+            with contextlib.suppress(EOFError):  # (EOF: none was sent)
+                value = results.recv()
                 signals.completed = True
-                return json.loads(result.read_text())["result"]
-        if server_died is not None:
-            raise WorkerFailed(
-                f"the worker server (forkserver) {server_died}: the workers were stopped; "
-                f"{_last_checkpoint(run_dir)}: {resume_hint(run_dir)}")
-        if signals.received:
-            sig = signals.received[0]
-            raise Interrupted(_stop_message(sig, cfg, killed, reports, devices, run_dir,
-                                            base_rank), sig)
-        stopped = [r for r in reports if r.get("stopped")]
-        if len(stopped) == devices and not killed:  # a worker was sent the signal, not us
-            sig = signal.Signals(stopped[0]["exit_code"] - 128)
-            said = _stop_message(sig, cfg, killed, reports, devices, run_dir, base_rank)
-            raise Interrupted(said.replace(f"stopped by {sig.name}",
-                                           f"stopped by {sig.name} sent to a worker", 1), sig)
-        # A stalled rank (which the watchdog names, and which is then killed) is not a
-        # machine's fault: only a death by a signal of its own is retried.
-        machine_fault = _killed_by_signal(procs, killed) is not None and not any(
-            r.get("stall") for r in reports)
-        # The exit status of the earliest error (the cause, as _failure_message names it).
-        first = min(reports, key=lambda r: r["time"], default={})
-        cause_code = 1 if machine_fault or any(r.get("stall") for r in reports) else \
-            first.get("exit_code", 1)
-        raise (WorkerKilled if machine_fault else WorkerFailed)(_failure_message(
-            procs, killed, reports, grace, cfg.distributed.timeout_s, run_dir, base_rank),
-            cause_code)
-    finally:
-        for pid in pids:
-            pid.close()
-        shutil.rmtree(report, ignore_errors=True)
+                return value
+    if server_died is not None:
+        raise WorkerFailed(
+            f"the worker server (forkserver) {server_died}: the workers were stopped; "
+            f"{_last_checkpoint(run_dir)}: {resume_hint(run_dir)}")
+    if signals.received:
+        sig = signals.received[0]
+        raise Interrupted(_stop_message(sig, cfg, killed, ended, devices, run_dir, base_rank),
+                          sig)
+    stopped = [e for e in ended.values() if e["status"] == ends.STOPPED]
+    if len(stopped) == devices and not killed:  # a worker was sent the signal, not us
+        sig = signal.Signals(stopped[0]["exit_code"] - 128)
+        said = _stop_message(sig, cfg, killed, ended, devices, run_dir, base_rank)
+        raise Interrupted(said.replace(f"stopped by {sig.name}",
+                                       f"stopped by {sig.name} sent to a worker", 1), sig)
+    cause = ends.first_failure(ended)
+    stall = cause is not None and cause["status"] == ends.STALLED
+    # A stalled rank (which the watchdog names, and which is then killed) is not a machine's
+    # fault: only a death by a signal of its own is retried.
+    machine_fault = _killed_by_signal(procs, killed) is not None and not stall
+    cause_code = 1 if machine_fault or stall or cause is None else cause["exit_code"]
+    raise (WorkerKilled if machine_fault else WorkerFailed)(_failure_message(
+        procs, killed, cause, grace, cfg.distributed.timeout_s, run_dir, base_rank),
+        cause_code)
 
 
-def _watch(cfg: AppConfig, procs: list, pids: list[_Pid], signals: _ParentSignals
-           ) -> tuple[set[int], str | None]:
+def _watch(cfg: AppConfig, procs: list, signals: _ParentSignals) -> tuple[set[int], str | None]:
     """Wait until every worker has ended; stop them all when one fails, when a signal comes or
     when the worker server dies. Returns the workers killed, and how the server died (if it did:
     the workers' exit codes are then unknown)."""
     grace, forkserver = cfg.distributed.kill_grace_s, cfg.distributed.start_method == "forkserver"
+    handles = [_handle(p.pid) for p in procs]
     killed: set[int] = set()
     failed_at = asked_at = server_died = None
 
     def running() -> list[int]:
         if server_died is None:
             return [i for i, p in enumerate(procs) if p.is_alive()]
-        return [i for i, pid in enumerate(pids) if pid.alive()]
+        return [i for i, h in enumerate(handles) if _alive(h)]
 
     while alive := running():
-        # Once the server is gone, its sentinels say nothing: the workers' pidfds tell their end.
-        ready = [procs[i].sentinel for i in alive] if server_died is None else [
-            pids[i].fd for i in alive if pids[i].fd is not None]
-        if ready:
-            multiprocessing.connection.wait(ready, timeout=0.2)
+        # Once the server is gone, its sentinels say nothing: the workers' handles tell their end.
+        if server_died is None:
+            multiprocessing.connection.wait([procs[i].sentinel for i in alive], timeout=0.2)
         else:
             time.sleep(0.2)
         now = time.monotonic()
@@ -348,8 +310,8 @@ def _watch(cfg: AppConfig, procs: list, pids: list[_Pid], signals: _ParentSignal
             server_died = _forkserver_death()
             if server_died is not None:
                 asked_at = now
-                for pid in pids:
-                    pid.send(signal.SIGTERM)  # the workers checkpoint, then stop
+                for handle in handles:
+                    _send(handle, signal.SIGTERM)  # the workers checkpoint, then stop
                 continue
         if failed_at is None and server_died is None and any(
                 p.exitcode not in (None, 0) for p in procs):
@@ -363,7 +325,7 @@ def _watch(cfg: AppConfig, procs: list, pids: list[_Pid], signals: _ParentSignal
                         signal.Signals(signals.received[0]).name,
                         "Ctrl-C" if signals.received[0] == signal.SIGINT else "the signal")
             for i in running():
-                pids[i].send(signal.SIGTERM)  # workers checkpoint, then stop
+                _send(handles[i], signal.SIGTERM)  # workers checkpoint, then stop
         # After a stop request, a rank held in a collective fails it at timeout_s; the grace
         # after that lets it report so, rather than be killed at the same moment.
         overdue = (failed_at is not None and now - failed_at > grace) or (
@@ -372,7 +334,7 @@ def _watch(cfg: AppConfig, procs: list, pids: list[_Pid], signals: _ParentSignal
         if overdue:
             for i in running():
                 killed.add(i)
-                pids[i].send(signal.SIGKILL)
+                _send(handles[i], signal.SIGKILL)
     if server_died is None:
         for p in procs:
             p.join()

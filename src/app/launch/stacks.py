@@ -1,4 +1,4 @@
-"""A process's Python stacks on demand, and the state of processes by pid (from /proc).
+"""A process's Python stacks on demand, and the state of processes by pid.
 
 `kill -s RTMIN+4 PID` writes the stacks of any app process that registered a file here (every
 rank, the launcher of spawned workers, a one-process run); the stall watchdog uses the same
@@ -14,6 +14,8 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
+
+import psutil
 
 # The stack-dump signal: not SIGUSR1/SIGUSR2 (Slurm and submitit use them to ask for a requeue),
 # not SIGWINCH (every terminal resize), but a real-time signal, which no job system sends.
@@ -45,26 +47,20 @@ def stacks_on_signal(path: Path) -> Iterator[None]:
                 path.unlink()
 
 
-def _state(pid: int) -> str | None:
-    """The one-letter state of process `pid` (R, S, T for stopped, Z for ended...), or None."""
+def _status(pid: int) -> str | None:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        return psutil.Process(pid).status()
+    except psutil.Error:
         return None
 
 
 def running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return _state(pid) != "Z"  # an ended child not yet reaped is a zombie: ended
+    """An ended child not yet reaped is a zombie: ended."""
+    return _status(pid) not in (None, psutil.STATUS_ZOMBIE)
 
 
 def is_stopped(pid: int) -> bool:
-    return _state(pid) == "T"
+    return _status(pid) in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 
 def wake_to_dump(pid: int) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -12,7 +11,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import OmegaConf
@@ -20,8 +19,8 @@ from omegaconf import OmegaConf
 from app import dist, signals
 from app.config import AppConfig, Mode
 from app.env import ProcessEnv, enter, spawned
-from app.errors import AppError, Interrupted, UserError, WorkerFailed, one_line
-from app.launch import watchdog
+from app.errors import AppError, Interrupted, UserError, WorkerFailed
+from app.launch import ends, watchdog
 from app.launch.rank_logs import FAILURE_LOGGER, setup_rank_logging
 from app.launch.run_lock import hold_as_worker
 from app.launch.stacks import stacks_on_signal
@@ -62,70 +61,51 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device,
 
 def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
              on_stall: Callable[[str], None]) -> float | None:
-    """Join the process group as `me`, run the mode, leave the group. `on_stall` reports the
-    line that ends a stalled job (app.launch.watchdog), before the process exits."""
+    """Join the process group as `me`, run the mode, leave the group; record how this rank
+    ended (app.launch.ends). `on_stall` reports the line that ends a stalled job
+    (app.launch.watchdog), before the process exits."""
     device = plan.device(me.local_rank)  # (current before the first collective)
     os.environ.update(cfg.distributed.nccl_env)  # opt-in NCCL_* settings, before NCCL starts
+    started = time.time()
+
+    def stalled(message: str) -> None:
+        ends.write(run_dir, me.rank, ends.STALLED, message)
+        on_stall(message)
+
     with stacks_on_signal(run_dir / "logs" / f"rank{me.rank}.stacks"):
         dist.init(plan.backend, me.dist_url, me.rank, me.world_size,
                   me.local_rank, me.local_world_size, cfg.distributed.timeout_s)
         # Only training and evaluation tick; predict and export would look stalled.
         judged = cfg.trainer.mode in (Mode.trainval, Mode.eval)
         guard = watchdog.start(cfg.distributed.stall_timeout_s if judged else None, run_dir,
-                               me.rank, me.world_size, on_stall)
+                               me.rank, me.world_size, stalled)
         previous = None
-        started = time.time()
         try:
             result = worker(cfg, run_dir, device, me.local_world_size)
             # Completed: a stop signal as the process ends would only turn it into a run ended
             # by that signal (the launcher, or torchrun, kills an end that hangs).
             previous = signals.install(signal.SIG_IGN)
             return result
-        except Exception as e:
-            if guard is not None:  # a collective failed as a stalled job ended: the stall
+        except BaseException as e:
+            if guard is not None and isinstance(e, Exception):  # a collective failed as a
+                # stalled job ended: the stall
                 watchdog.hold_if_stalled(0 if isinstance(e, AppError) else 2 * guard.interval + 1)
-            _record_failure(run_dir, me.rank, e)  # (before this rank's exit ends its peers)
-            # A stop is no failure: every rank saved and stopped at the same step, and the
-            # launcher tells that from each rank's own Interrupted. A UserError is rank 0's own
-            # finding (the same one as its peer's, as a rule), not a broken collective.
-            first = _first_failure(run_dir, started) if me.rank == 0 and not isinstance(
-                e, Interrupted | UserError) else None
+            ends.write(run_dir, me.rank, ends.status_of(e), e)  # (before its exit ends peers)
+            # A stop is no failure: every rank saved and stopped at the same step. A UserError
+            # is rank 0's own finding (the same one as its peer's, as a rule), not a broken
+            # collective.
+            first = ends.first_failure(ends.read(run_dir, started)) if me.rank == 0 and \
+                isinstance(e, Exception) and not isinstance(e, Interrupted | UserError) else None
             if first is not None and first["rank"] != 0:
                 # Rank 0's own error is the collective its peer's end broke: the run's record
                 # (result.json, summaries, app.status) names the cause instead.
-                rank_log = run_dir / "logs" / f"rank{first['rank']}.log"
-                raise WorkerFailed(f"rank {first['rank']} failed: {first['error']} (traceback "
-                                   f"in {rank_log})", first.get("exit_code", 1)) from e
+                raise WorkerFailed(ends.failed_line(run_dir, first), first["exit_code"]) from e
             raise
         finally:
             if guard is not None:
                 guard.stop()
             dist.destroy()
             signals.restore(previous or {})
-
-
-def _record_failure(run_dir: Path, rank: int, error: BaseException) -> None:
-    """What ended this rank, and when: rank 0 reads the others' (a torchrun or Slurm job's
-    ranks share no launcher that would see them all)."""
-    try:
-        (run_dir / "logs" / f"rank{rank}.failed.json").write_text(json.dumps(
-            {"rank": rank, "time": time.time(), "error": one_line(error),
-             "exit_code": error.exit_code if isinstance(error, AppError) else 1}))
-    except OSError:
-        pass  # (the error itself is what the rank reports)
-
-
-def _first_failure(run_dir: Path, since: float) -> dict[str, Any] | None:
-    """The earliest failure any rank recorded in this run of the job."""
-    found = []
-    for path in (run_dir / "logs").glob("rank*.failed.json"):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and record.get("time", 0) >= since:
-            found.append(record)
-    return min(found, key=lambda r: r["time"], default=None)
 
 
 def _die_with_launcher(launcher_alive: Connection) -> None:
@@ -147,17 +127,9 @@ def _die_with_launcher(launcher_alive: Connection) -> None:
     threading.Thread(target=watch, name="app-launcher-watch", daemon=True).start()
 
 
-def _write_report(report: Path, name: str, **record: object) -> None:
-    """How this worker ended, for the launcher (which reads it once every worker has ended)."""
-    try:
-        (report / name).write_text(json.dumps(record))
-    except OSError:  # the launcher is gone, and with it the folder: nobody to tell
-        pass
-
-
 def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, plan: Plan,
-                   report_dir: str, launcher_alive: Connection) -> None:
-    """The target of each local worker process."""
+                   launcher_alive: Connection, results: Connection) -> None:
+    """The target of each local worker process (torch.multiprocessing.start_processes)."""
     signals.install(signal.default_int_handler, (signal.SIGINT,))  # (the server ignored it)
     if cfg.machine_rank == 0:  # (the workers of the machine whose launcher owns the run)
         hold_as_worker(run_dir)  # no new owner of the run until this worker has ended
@@ -168,26 +140,15 @@ def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, plan: Plan,
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(me.local_world_size))
     setup_rank_logging(run_dir, me.rank, keep_handlers=False)
     log.info("rank %d of %d: pid %d", me.rank, me.world_size, os.getpid())
-    report = Path(report_dir)
     failures = logging.getLogger(FAILURE_LOGGER)
-
-    def stalled(message: str) -> None:  # the launcher prints the line
-        failures.error("%s", message)
-        # (a file of its own: the main thread may fail as the others end, and report that)
-        _write_report(report, f"rank{me.rank}-stall.json", rank=me.rank, time=time.time(),
-                      error=message, stall=True, exit_code=watchdog.EXIT_CODE)
-
-    try:
-        result = run_rank(cfg, run_dir, plan, me, stalled)
+    try:  # (the launcher prints the line of a stall, and reads how each rank ended)
+        result = run_rank(cfg, run_dir, plan, me, lambda message: failures.error("%s", message))
         signals.install(signal.SIG_IGN)  # (until this process exits)
     except BaseException as e:
         if isinstance(e, AppError):
             failures.error("%s", e)
         else:
             failures.exception("rank %d failed", me.rank)
-        code = e.exit_code if isinstance(e, AppError) else 1
-        _write_report(report, f"rank{me.rank}.json", rank=me.rank, time=time.time(),
-                      exit_code=code, error=one_line(e), stopped=isinstance(e, Interrupted))
-        sys.exit(code)
-    if local_rank == 0:
-        (report / "result.json").write_text(json.dumps({"result": result}))
+        sys.exit(e.exit_code if isinstance(e, AppError) else 1)
+    if local_rank == 0:  # after the last collective: the run has completed
+        results.send(result)
