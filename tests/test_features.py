@@ -277,6 +277,6 @@ def test_occupy_validation() -> None:
 
     with pytest.raises(UserError, match="occupy=1.5"):
         validate(make_config("occupy=1.5"))
-    # A closed set: refused while composing (its one-line message: test_compose_errors).
+    # A closed set: refused while composing (Hydra's report names the value).
     with pytest.raises(ConfigCompositionException, match="precision=fp8"):
         make_config("precision=fp8")

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import hydra
 import pytest
 import torch
 import torch.distributed as tdist
@@ -46,30 +45,6 @@ def test_the_worker_server_pid_is_that_of_this_process_child() -> None:
     assert isinstance(pid, int)
     status = Path(f"/proc/{pid}/status").read_text()
     assert f"PPid:\t{os.getpid()}\n" in status
-
-
-def test_hydras_entry_calls_the_replaceable_run_and_report(tmp_path, monkeypatch) -> None:
-    utils = _private.hydra_entry_utils()
-    assert utils is not None
-    calls = []
-    original = utils.run_and_report
-
-    def recording(func):
-        calls.append(func)
-        return original(func)
-
-    monkeypatch.setattr(utils, "run_and_report", recording)
-    (tmp_path / "c.yaml").write_text("a: 1\n")
-
-    @hydra.main(config_path=str(tmp_path), config_name="c", version_base="1.3")
-    def task(cfg) -> int:
-        return cfg.a
-
-    monkeypatch.setattr(sys, "argv", ["task", f"hydra.run.dir={tmp_path / 'run'}",
-                                      "hydra.output_subdir=null", "hydra/job_logging=none",
-                                      "hydra/hydra_logging=none"])
-    task()
-    assert calls, "Hydra's entry no longer calls hydra._internal.utils.run_and_report"
 
 
 def test_a_failed_jobs_exception_is_read() -> None:

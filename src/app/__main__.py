@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from app.compose_errors import explain_composition_errors
+from app.compose_errors import after_hydras_report
 from app.conf_dir import config_dir
 from app.config import register_schemas, to_app_config
 from app.env import enter, reproducible_matmuls, this_process
@@ -44,11 +44,16 @@ try:
 except UserError as e:  # (MPI variables without MASTER_ADDR): one line, before Hydra starts
     print(e, file=sys.stderr)
     sys.exit(e.exit_code)
-explain_composition_errors()  # a broken YAML file, a misspelt key: one line, not Hydra's report
+
+# Set as the task function starts: Hydra's exit status 1 before it is a config Hydra could not
+# compose (app.compose_errors adds to its report), after it a job's failure.
+job_started = False
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> float | None:
+    global job_started
+    job_started = True
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     started = time.monotonic()
     env = this_process()
@@ -123,3 +128,7 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt as e:  # while Hydra composes, or between a sweep's jobs
         exit_on(e, lambda line: print(line, file=sys.stderr))
+    except SystemExit as e:  # Hydra has reported an error; before a job: composing it
+        if e.code != 1 or job_started:
+            raise
+        sys.exit(after_hydras_report(sys.argv[1:]))

@@ -80,16 +80,6 @@ def set_multiprocessing_tempdir(path: str) -> bool:
 
 # Hydra --------------------------------------------------------------------------------------
 
-def hydra_entry_utils() -> Any | None:
-    """The module whose `run_and_report` Hydra's entry point looks up at each call (replacing
-    it is the only way in to composition errors); None where another Hydra lacks it."""
-    try:
-        from hydra._internal import utils
-    except ImportError:
-        return None
-    return utils if hasattr(utils, "run_and_report") else None
-
-
 def job_error(result: Any) -> BaseException:
     """The exception a failed Hydra job raised (`JobReturn.return_value` re-raises it, but
     writes a line to stderr first)."""
