@@ -7,10 +7,13 @@ process (`run_job`), and two of them also through the CLI, to show that last ste
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from app.errors import UserError
-from conftest import TINY, run_app, run_job
+from conftest import REPO, TINY, run_app, run_job
 
 # Refused while Hydra composes the config: Hydra's report names the key.
 COMPOSING = {
@@ -117,6 +120,17 @@ def test_composition_errors_end_with_apps_line(case, tmp_path) -> None:
     lines = result.stderr.strip().splitlines()
     # Hydra's report first, then app's line.
     assert len(lines) > 1 and lines[-1] == line.format(conf=conf), result.stderr
+
+
+def test_a_misspelt_swept_key_ends_with_apps_line(tmp_path) -> None:
+    """A sweep's jobs are composed after the sweep has begun: still exit 2 and app's line."""
+    result = subprocess.run(
+        [sys.executable, "-m", "app", "-m", "trainer.max_epoch=1,2",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=REPO, capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == \
+        "trainer.max_epoch: did you mean trainer.max_epochs?", result.stderr
 
 
 def test_a_full_error_is_hydras_alone(tmp_path) -> None:

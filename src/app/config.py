@@ -17,7 +17,7 @@ Where a key goes (docs/configuration.md says the same with examples):
    `callbacks` (untyped `_target_` nodes: their keys are the constructor's arguments).
 
 A closed set of values is an Enum, so that a wrong value fails while Hydra composes
-(app.compose_errors words it). A key that moved is in RENAMED: its old name fails with
+(app.compose_errors adds to its report). A key that moved is in RENAMED: its old name fails with
 "OLD was renamed to NEW". The schemas are registered in Hydra's ConfigStore and sit first in
 `conf/config.yaml`'s defaults list, so a misspelt key or a wrong type fails at compose time.
 """
