@@ -263,33 +263,35 @@ def test_a_job_that_fails_mid_training_has_its_step_and_curves(tmp_path) -> None
     assert log.count("attempt started") == 1
 
 
-def test_summary_picture_names_what_became_of_jobs_without_a_value(tmp_path, monkeypatch
-                                                                  ) -> None:
-    from PIL import Image, ImageDraw
+def test_summary_picture_names_what_became_of_jobs_without_a_value(tmp_path) -> None:
+    from matplotlib.text import Text
+    from PIL import Image
 
-    from app.sweeps.plots import draw_summary
+    from app.sweeps.plots import draw_summary, summary_figure
 
-    texts: list[str] = []
-    text = ImageDraw.ImageDraw.text
-
-    def record(draw, xy, words, *args, **kwargs):
-        texts.append(words)
-        return text(draw, xy, words, *args, **kwargs)
-
-    monkeypatch.setattr(ImageDraw.ImageDraw, "text", record)
     jobs = [{"job": str(n), "params": {"optimizer.lr": lr, "model.dropout": d},
              "best": best, "status": status}
             for n, (lr, d, best, status) in enumerate([
                 ("0.003", "0", 0.9, "completed"), ("0.003", "0.3", 0.8, "completed"),
                 ("1e6", "0", None, "failed"), ("1e6", "0.3", None, "running or killed")])]
     path = draw_summary(tmp_path, jobs, "val/acc")
+    assert path == tmp_path / "summary.png" and draw_summary(tmp_path, [], "val/acc") is None
     with Image.open(path) as image:
         image.verify()  # the whole file decodes
     with Image.open(path) as image:
         assert image.format == "PNG" and image.size == (1300, 450)  # bars and a heat map
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.png"]  # no temporary file
+    figure = summary_figure(tmp_path, jobs, "val/acc")
+    assert len(figure.axes) == 3  # bars, heat map, its colour bar
+    texts = [t.get_text() for t in figure.findobj(Text)]
     # No bar and an empty cell: the picture says why, in both panels.
     assert texts.count("failed") == 2 and texts.count("running or killed") == 2, texts
     assert texts.count("0.9000") == 1  # a cell of the heat map
+    # Without a 2-D grid: the bars alone; a sweep of many jobs gets a taller picture.
+    jobs = [dict(j, params={"optimizer.lr": j["params"]["optimizer.lr"]}) for j in jobs[:2]]
+    figure = summary_figure(tmp_path, jobs, "val/acc")
+    assert len(figure.axes) == 1 and tuple(figure.bbox.size) == (800, 450)
+    assert tuple(summary_figure(tmp_path, jobs * 30, "val/acc").bbox.size) == (800, 1210)
 
 
 def test_a_sweep_of_other_values_into_a_used_sweep_directory_runs_nothing(tmp_path) -> None:
