@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import math
+
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from app.config import AppConfig, Mode, validate
+from app.config import AppConfig, LoaderConfig, Mode, validate
 from app.data import first_samples
 from app.errors import UserError
 from app.training.build import build_data, build_model, build_optimizer, build_scheduler
@@ -113,12 +117,14 @@ def test_wrong_enum_fails_at_compose() -> None:
 
 @pytest.mark.parametrize("overrides,words", [
     (["trainer.max_epochs=null"], "max_steps"),
-    (["trainer.max_steps=-5"], "trainer.max_steps=-5"),
+    (["trainer.max_steps=-5"], "trainer.max_steps=-5: expected null or a whole number >= 1"),
+    (["trainer.ema_decay=1"], "trainer.ema_decay=1.0: expected a number > 0 and < 1"),
+    (["occupy=1.5"], "occupy=1.5: expected a number >= 0 and < 1"),
     (["optimizer.lr=-0.1"], "optimizer.lr=-0.1"),
     (["optimizer.lr=0"], "optimizer.lr=0"),
     (["devices=0"], "devices=0"),
     (["trainer=eval"], "ckpt=PATH"),
-    (["trainer.keep_last=-1"], "keep_last"),
+    (["trainer.keep_last=-1"], "trainer.keep_last=-1: expected a whole number >= 0"),
     (["devices=many"], "devices=many"),
     (["nodes=2", "machine_rank=2", "dist_url=tcp://h:1"], "machine_rank=2"),
     (["dist_url=localhost"], "dist_url=localhost"),
@@ -131,6 +137,60 @@ def test_validate_names_the_key(overrides: list[str], words: str) -> None:
     with pytest.raises(UserError) as err:
         validate(make_config(*overrides))
     assert words in str(err.value)
+
+
+def _bounded_fields(node, schema, path=""):
+    """(key, field) of every field of `node` that declares a bound (`_bound`)."""
+    for f in dataclasses.fields(schema):
+        value = node.get(f.name) if isinstance(node, dict) else getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _bounded_fields(value, type(value), f"{path}{f.name}.")
+        elif "bounds" in f.metadata:
+            yield path + f.name, f
+
+
+def _edges(whole: bool, bounds: dict[str, float]) -> tuple[list, list]:
+    """Values just outside each bound (and nan, or a plain value of another type), and just
+    inside it: the next whole number or float."""
+    def step(n, direction):
+        return n + direction if whole else math.nextafter(n, direction * math.inf)
+
+    outside, inside = ([1.5, True] if whole else [math.nan]), []
+    for op, n in bounds.items():
+        outside.append(step(n, -1) if op == "ge" else n)
+        inside.append({"ge": n, "gt": step(n, 1), "lt": step(n, -1)}[op])
+    return outside, inside
+
+
+def _with(cfg: AppConfig, key: str, value) -> AppConfig:
+    cfg = node = copy.deepcopy(cfg)
+    *path, name = key.split(".")
+    for part in path:
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    if isinstance(node, dict):
+        node[name] = value
+    else:
+        setattr(node, name, value)
+    return cfg
+
+
+def test_every_declared_bound_is_enforced_just_outside_and_not_just_inside() -> None:
+    base = make_config()
+    fields = [*_bounded_fields(base, AppConfig), *_bounded_fields(base.data, LoaderConfig, "data.")]
+    keys = {key for key, _ in fields}
+    assert {"trainer.max_steps", "trainer.ema_decay", "distributed.timeout_s", "occupy",
+            "data.batch_size", "data.num_workers", "export.tolerance"} <= keys, keys
+    for key, f in fields:
+        whole = f.type.startswith("int")
+        outside, inside = _edges(whole, f.metadata["bounds"])
+        if whole and not key.startswith("data."):  # (OmegaConf types the typed sections)
+            outside = [v for v in outside if type(v) is int]
+        for value in inside:
+            validate(_with(base, key, value))
+        for value in outside:
+            with pytest.raises(UserError) as err:
+                validate(_with(base, key, value))
+            assert str(err.value).startswith(f"{key}={value}: expected "), (key, value)
 
 
 @pytest.mark.parametrize("overrides,words", [

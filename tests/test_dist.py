@@ -71,10 +71,11 @@ def test_a_host_that_does_not_resolve_fails_before_any_worker_starts(tmp_path,
 
 
 @pytest.mark.parametrize("override,words", [
-    ("distributed.timeout_s=nan", "distributed.timeout_s=nan: must be a finite number"),
-    ("distributed.timeout_s=inf", "distributed.timeout_s=inf: must be a finite number"),
-    ("distributed.stall_timeout_s=inf", "distributed.stall_timeout_s=inf: must be a finite"),
-    ("distributed.stall_timeout_s=0", "distributed.stall_timeout_s=0.0: must be a positive"),
+    ("distributed.timeout_s=nan", "distributed.timeout_s=nan: expected a finite number > 0"),
+    ("distributed.timeout_s=inf", "distributed.timeout_s=inf: expected a finite number > 0"),
+    ("distributed.stall_timeout_s=inf", "distributed.stall_timeout_s=inf: expected null or a "
+                                        "finite number > 0"),
+    ("distributed.stall_timeout_s=0", "distributed.stall_timeout_s=0.0: expected null or a"),
     ("dist_url=tcp://127.0.0.1:99999", "port 99999 is out of range; give a port from 1 to"),
     ("dist_url=tcp://127.0.0.1:0", "port 0 is out of range"),
 ])

@@ -354,7 +354,7 @@ def test_a_users_data_config_states_only_what_differs(folder, tmp_path) -> None:
                   "data=mine", "data.cache=true", "data.batch_size=8", *SMALL[:2],
                   "trainer.max_epochs=1", "trainer.progress_bar=false")
     assert "cached 29 + 7 decoded images in shared memory" in job.output
-    with pytest.raises(UserError, match="data.num_workers=-1: expected a whole number, 0 or more"):
+    with pytest.raises(UserError, match="data.num_workers=-1: expected a whole number >= 0"):
         run_job(tmp_path / "bad", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
                 "data=mine", "data.num_workers=-1")
 

@@ -19,7 +19,8 @@ Where a key goes (docs/configuration.md says the same with examples):
 A closed set of values is an Enum, so that a wrong value fails while Hydra composes
 (app.compose_errors adds to its report). A key that moved is in RENAMED: its old name fails with
 "OLD was renamed to NEW". The schemas are registered in Hydra's ConfigStore and sit first in
-`conf/config.yaml`'s defaults list, so a misspelt key or a wrong type fails at compose time.
+`conf/config.yaml`'s defaults list, so a misspelt key or a wrong type fails at compose time. A
+number's range is declared with its field (`_bound(20, ge=1)`) and checked by `validate`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
@@ -79,29 +81,35 @@ Strategy = _choice("Strategy", "ddp", "fsdp")
 Monitor = _choice("Monitor", "val/acc", "val/loss")
 
 
+def _bound(default: Any, **bounds: float) -> Any:
+    """A field that `validate` keeps within `bounds` (ge, gt, lt: pydantic's names); OmegaConf
+    leaves a field's metadata out of the config."""
+    return field(default=default, metadata={"bounds": bounds})
+
+
 @dataclass
 class TrainerConfig:
     mode: Mode = Mode.trainval
-    max_epochs: int | None = 20
-    max_steps: int | None = None
-    val_every_n_epochs: int | None = 1
-    val_every_n_steps: int | None = None
-    log_every_n_steps: int = 10
-    ckpt_every_n_epochs: int | None = 1
-    ckpt_every_n_steps: int | None = None
-    keep_last: int = 3
+    max_epochs: int | None = _bound(20, ge=1)
+    max_steps: int | None = _bound(None, ge=1)
+    val_every_n_epochs: int | None = _bound(1, ge=1)
+    val_every_n_steps: int | None = _bound(None, ge=1)
+    log_every_n_steps: int = _bound(10, ge=1)
+    ckpt_every_n_epochs: int | None = _bound(1, ge=1)
+    ckpt_every_n_steps: int | None = _bound(None, ge=1)
+    keep_last: int = _bound(3, ge=0)
     async_checkpoint: bool = True
     monitor: Monitor = Monitor("val/acc")
     monitor_mode: MonitorMode = MonitorMode.max
     progress_bar: bool | None = None
-    accumulate_grad_batches: int = 1
-    grad_clip_norm: float | None = None
+    accumulate_grad_batches: int = _bound(1, ge=1)
+    grad_clip_norm: float | None = _bound(None, gt=0)
     skip_nonfinite: bool = False
     ema: bool = False
-    ema_decay: float = 0.9998
-    ema_warmup_steps: int = 2000
+    ema_decay: float = _bound(0.9998, gt=0, lt=1)
+    ema_warmup_steps: int = _bound(2000, ge=1)
     decay_norm_and_bias: bool = False
-    lr_scale_batch: int | None = None
+    lr_scale_batch: int | None = _bound(None, ge=1)
     activation_checkpointing: list[str] = field(default_factory=list)  # module classes
 
 
@@ -110,14 +118,14 @@ class PredictConfig:
     """Read by `trainer=predict` only."""
 
     input: str | None = None
-    num_show: int = 32
+    num_show: int = _bound(32, ge=1)
 
 
 @dataclass
 class ExportConfig:
     """Read by `trainer=export` only."""
 
-    tolerance: float = 1e-5
+    tolerance: float = _bound(1e-5, gt=0)
 
 
 @dataclass
@@ -133,12 +141,12 @@ class DistributedConfig:
     strategy: Strategy = Strategy("ddp")
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     backend: Backend = Backend("auto")
-    timeout_s: float = 1800.0
-    stall_timeout_s: float | None = 600.0
+    timeout_s: float = _bound(1800.0, gt=0, lt=math.inf)  # seconds: finite (nan never elapses)
+    stall_timeout_s: float | None = _bound(600.0, gt=0, lt=math.inf)  # null: no watchdog
     start_method: StartMethod = StartMethod("forkserver")
     set_device_rank: bool = True
-    kill_grace_s: float = 5.0
-    max_restarts: int = 0
+    kill_grace_s: float = _bound(5.0, gt=0, lt=math.inf)
+    max_restarts: int = _bound(0, ge=0)
     horovod: bool = False
     sync_batchnorm: bool = False
     find_unused_parameters: bool = False
@@ -165,9 +173,9 @@ class LoaderConfig:
     """The loader keys every `data` node has: composed first (`app_data_loader`), the data set's
     own YAML over them, so a data config states only what differs."""
 
-    batch_size: int = 64  # samples per optimizer step and process
-    val_batch_size: int | None = None  # samples per validation batch (null: batch_size)
-    num_workers: int = 0  # data-loader worker processes (0: load in the training process)
+    batch_size: int = _bound(64, ge=1)  # samples per optimizer step and process
+    val_batch_size: int | None = _bound(None, ge=1)  # per validation batch (null: batch_size)
+    num_workers: int = _bound(0, ge=0)  # loader worker processes (0: load in this process)
     pin_memory: bool = True  # page-locked batches for faster copies to a GPU (ignored on CPU)
     persistent_workers: bool = True  # keep loader workers alive across epochs
     cache: bool = False  # the decoded data set in shared memory, mapped by every loader worker
@@ -186,10 +194,10 @@ class AppConfig:
     scheduler: Any = None
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> `_target_` node (or null)
     accelerator: Accelerator = Accelerator("auto")
-    device_id: int | None = None
+    device_id: int | None = _bound(None, ge=0)
     accelerator_strict: bool = False
     devices: Any = 1  # an int, or "auto"
-    nodes: int = 1
+    nodes: int = _bound(1, ge=1)
     machine_rank: int = 0
     dist_url: str = "auto"
     seed: int = 0
@@ -201,7 +209,7 @@ class AppConfig:
     compile: bool = False
     deterministic: bool = False
     tf32: bool | None = None
-    occupy: float = 0.0
+    occupy: float = _bound(0.0, ge=0, lt=1)  # a fraction of the free GPU memory
     detail: bool = False
 
 
@@ -274,36 +282,45 @@ def register_schemas() -> None:
                 package="data")
 
 
-def _check_loader(data: dict[str, Any]) -> None:
-    """The loader keys of the data node, by LoaderConfig's types."""
-    for key, minimum in (("batch_size", 1), ("val_batch_size", 1), ("num_workers", 0)):
-        value = data.get(key)
-        if value is None and key == "val_batch_size":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise UserError(f"data.{key}={value}: expected a whole number, {minimum} or more")
-    for key in ("pin_memory", "persistent_workers", "cache"):
-        if not isinstance(data.get(key), bool):
-            raise UserError(f"data.{key}={data.get(key)}: expected true or false")
+_COMPARE = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "lt": (operator.lt, "<")}
 
 
-def _positive(name: str, value: int | float | None, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise UserError(f"{name}={value}: must be a positive number")
+def _check_fields(node: Any, schema: type, path: str = "") -> None:
+    """The fields of `node` within the bounds `_bound` declared (`< inf`: finite; nan fails
+    every comparison), and of their types where OmegaConf has not checked them: the data node
+    holds plain values (`register_schemas`). The annotations are strings here."""
+    for f in dataclasses.fields(schema):
+        key = path + f.name
+        value = node.get(f.name) if isinstance(node, dict) else getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_fields(value, type(value), f"{key}.")
+        elif f.type == "bool" and not isinstance(value, bool):
+            raise UserError(f"{key}={value}: expected true or false")
+        elif (bounds := f.metadata.get("bounds")) and not (value is None and "None" in f.type):
+            whole = f.type.startswith("int")
+            typed = not whole or isinstance(value, int) and not isinstance(value, bool)
+            if not typed or not all(_COMPARE[op][0](value, n) for op, n in bounds.items()):
+                kind = ("a whole number" if whole else "a finite number"
+                        if math.inf in bounds.values() else "a number")
+                limits = [f"{_COMPARE[op][1]} {n}" for op, n in bounds.items() if n != math.inf]
+                raise UserError(f"{key}={value}: expected {'null or ' if 'None' in f.type else ''}"
+                                f"{kind} {' and '.join(limits)}")
 
 
-def _seconds(name: str, value: float | None, allow_none: bool = False) -> None:
-    """A duration: positive and finite (timedelta cannot hold inf, and nan never elapses)."""
-    _positive(name, value, allow_none)
-    if value is not None and not math.isfinite(value):
-        off = " or null to turn it off" if allow_none else ""
-        raise UserError(f"{name}={value}: must be a finite number of seconds{off}")
-
-
-def _check_distributed(cfg: AppConfig) -> None:
-    """The distributed settings, checked before any worker starts."""
+def validate(cfg: AppConfig) -> None:
+    """The declared bounds, and checks across keys that types alone cannot catch; raises
+    UserError."""
+    t = cfg.trainer
+    if t.mode == Mode.trainval and t.max_epochs is None and t.max_steps is None:
+        raise UserError("trainer.max_epochs and trainer.max_steps are both null: set one of them "
+                        "(for example trainer.max_epochs=10)")
+    _check_fields(cfg, AppConfig)
+    if t.mode != Mode.trainval and cfg.ckpt is None:
+        raise UserError(f"trainer={t.mode.value} needs a checkpoint: add ckpt=PATH/TO/best.pt")
+    if cfg.devices != "auto" and (not isinstance(cfg.devices, int) or cfg.devices < 1):
+        raise UserError(f"devices={cfg.devices}: expected a positive number or auto")
+    if not 0 <= cfg.machine_rank < cfg.nodes:
+        raise UserError(f"machine_rank={cfg.machine_rank}: must lie in [0, nodes={cfg.nodes})")
     if cfg.dist_url != "auto":
         match = re.fullmatch(r"tcp://([^:/\s]+):(\d{1,5})", cfg.dist_url)
         if not match:
@@ -311,51 +328,6 @@ def _check_distributed(cfg: AppConfig) -> None:
         if not 1 <= int(match[2]) <= 65535:
             raise UserError(f"dist_url={cfg.dist_url}: port {int(match[2])} is out of range; "
                             f"give a port from 1 to 65535, e.g. tcp://{match[1]}:29500")
-    d = cfg.distributed
-    _seconds("distributed.timeout_s", d.timeout_s)
-    _seconds("distributed.stall_timeout_s", d.stall_timeout_s, allow_none=True)
-    _seconds("distributed.kill_grace_s", d.kill_grace_s)
-    if d.max_restarts < 0:
-        raise UserError(f"distributed.max_restarts={d.max_restarts}: give 0 (no restart) or "
-                        f"more")
-
-
-def validate(cfg: AppConfig) -> None:
-    """Checks across keys and values that types alone cannot catch; raises UserError."""
-    t = cfg.trainer
-    if t.mode == Mode.trainval and t.max_epochs is None and t.max_steps is None:
-        raise UserError(
-            "trainer.max_epochs and trainer.max_steps are both null: set one of them "
-            "(for example trainer.max_epochs=10)"
-        )
-    for key in (
-        "max_epochs", "max_steps", "val_every_n_epochs", "val_every_n_steps",
-        "ckpt_every_n_epochs", "ckpt_every_n_steps",
-    ):
-        _positive(f"trainer.{key}", getattr(t, key))
-    _positive("trainer.log_every_n_steps", t.log_every_n_steps, allow_none=False)
-    _positive("predict.num_show", cfg.predict.num_show, allow_none=False)
-    _positive("export.tolerance", cfg.export.tolerance, allow_none=False)
-    if t.keep_last < 0:
-        raise UserError(f"trainer.keep_last={t.keep_last}: must be 0 or more")
-    if t.mode != Mode.trainval and cfg.ckpt is None:
-        raise UserError(f"trainer={t.mode.value} needs a checkpoint: add ckpt=PATH/TO/best.pt")
-    if cfg.devices != "auto" and (not isinstance(cfg.devices, int) or cfg.devices < 1):
-        raise UserError(f"devices={cfg.devices}: expected a positive number or auto")
-    _positive("nodes", cfg.nodes, allow_none=False)
-    if not 0 <= cfg.machine_rank < cfg.nodes:
-        raise UserError(f"machine_rank={cfg.machine_rank}: must lie in [0, nodes={cfg.nodes})")
-    _check_distributed(cfg)
-    _positive("trainer.accumulate_grad_batches", t.accumulate_grad_batches, allow_none=False)
-    _positive("trainer.grad_clip_norm", t.grad_clip_norm)
-    _positive("trainer.ema_warmup_steps", t.ema_warmup_steps, allow_none=False)
-    _positive("trainer.lr_scale_batch", t.lr_scale_batch)
-    if not 0 < t.ema_decay < 1:
-        raise UserError(f"trainer.ema_decay={t.ema_decay}: must lie strictly between 0 and 1")
-    if not 0 <= cfg.occupy < 1:
-        raise UserError(f"occupy={cfg.occupy}: a fraction of free GPU memory in [0, 1)")
-    if cfg.device_id is not None and cfg.device_id < 0:
-        raise UserError(f"device_id={cfg.device_id}: must be 0 or more")
     seed_value("seed", cfg.seed)
     if cfg.logger.mlflow and importlib.util.find_spec("mlflow") is None:  # (an optional extra)
         raise UserError("logger.mlflow=true needs MLflow: pip install mlflow-skinny "
@@ -370,7 +342,7 @@ def validate(cfg: AppConfig) -> None:
         node = getattr(cfg, group)
         if not isinstance(node, dict) or "_target_" not in node:
             raise UserError(f"{group}: needs a `_target_` node; pick one with {group}=NAME")
-    _check_loader(cfg.data)
+    _check_fields(cfg.data, LoaderConfig, "data.")
     for key in ("lr", "weight_decay", "momentum"):
         value = cfg.optimizer.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
