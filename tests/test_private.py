@@ -5,17 +5,12 @@ An upgrade of PyTorch, Hydra, submitit or Python that moves one fails here, by n
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as tdist
-from hydra.core.utils import JobReturn, JobStatus
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data._utils import signal_handling
 
@@ -34,24 +29,6 @@ def test_the_process_group_store_is_reached_and_cloned(tmp_path) -> None:
         assert client is not None and client.get("probe") == b"1"
     finally:
         tdist.destroy_process_group()
-
-
-def test_the_worker_server_pid_is_that_of_this_process_child() -> None:
-    ctx = multiprocessing.get_context("forkserver")
-    worker = ctx.Process(target=os.getpid)
-    worker.start()
-    worker.join()
-    pid = _private.forkserver_pid()
-    assert isinstance(pid, int)
-    status = Path(f"/proc/{pid}/status").read_text()
-    assert f"PPid:\t{os.getpid()}\n" in status
-
-
-def test_a_failed_jobs_exception_is_read() -> None:
-    error = ValueError("boom")
-    job = JobReturn(status=JobStatus.FAILED)
-    job.return_value = error
-    assert _private.job_error(job) is error
 
 
 def test_the_slurm_watcher_is_ours_and_reads_sacct_and_squeue(tmp_path, monkeypatch) -> None:
@@ -116,14 +93,3 @@ def test_the_sbatch_script_of_an_array_is_written_as_submitit_writes_it(tmp_path
     assert "#SBATCH --array=0-2%3" in array and "#SBATCH --partition=debug" in array
     assert "#SBATCH --time=5" in array and "-m submitit.core._submit" in array
     assert "--array" not in _private.sbatch_script(executor, 1)
-
-
-def test_multiprocessing_keeps_its_sockets_where_it_is_told(tmp_path) -> None:
-    """(In a process of its own: the setting is for the whole process.)"""
-    code = (f"from app._private import set_multiprocessing_tempdir as told\n"
-            f"import multiprocessing.util as util\n"
-            f"assert told({str(tmp_path)!r})\n"
-            f"assert util.get_temp_dir() == {str(tmp_path)!r}\n"
-            f"assert not told('/elsewhere')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr

@@ -229,9 +229,8 @@ def test_a_dying_worker_server_is_seen_dead_while_it_exits(monkeypatch) -> None:
     if pid == 0:  # the "server": it ends by SIGKILL a little after the question is asked
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
-    monkeypatch.setattr(spawn, "_forkserver_pid", lambda: pid)
     try:
-        assert spawn._forkserver_death() == f"(pid {pid}) was killed by SIGKILL"
+        assert spawn._forkserver_death(pid) == f"(pid {pid}) was killed by SIGKILL"
     finally:
         os.waitpid(pid, 0)
 
@@ -239,7 +238,6 @@ def test_a_dying_worker_server_is_seen_dead_while_it_exits(monkeypatch) -> None:
 def test_the_worker_server_ignores_ctrl_c_while_it_imports_torch() -> None:
     # Its imports run before it sets its own handlers: a Ctrl-C there ended it with a traceback.
     import app.launch.spawn as spawn
-    from app._private import forkserver_pid
 
     def ours(signum: int, frame: object) -> None: ...
 
@@ -249,7 +247,7 @@ def test_the_worker_server_ignores_ctrl_c_while_it_imports_torch() -> None:
         assert signal.getsignal(signal.SIGINT) is ours  # put back
     finally:
         signal.signal(signal.SIGINT, previous)
-    pid = forkserver_pid()
+    pid = spawn._server_pid()
     status = Path(f"/proc/{pid}/status").read_text()
     ignored = int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
     assert ignored & (1 << (signal.SIGINT - 1)), status

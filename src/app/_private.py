@@ -1,15 +1,17 @@
-"""Every reach into another library's private internals, in one place.
+"""Every reach into another library's private internals, in one place: five.
 
-PyTorch, Hydra, OmegaConf, submitit and multiprocessing offer no public way to do these few
-things. Each accessor checks that what it reaches for is there; tests/test_private.py
-exercises each one on the installed versions, so an upgrade that moves one fails there, by
-name, rather than somewhere inside a run. Where a caller can do without (a less precise
+PyTorch and submitit offer no public way to do these: the process group's store (the stall
+watchdog's channel), a DataLoader's worker processes (to name the one that died), keeping
+out the DataLoader's SIGCHLD handler, submitit's Slurm state watcher (squeue where sacct
+fails), and the sbatch script submitit would write (`dry_run`). Each accessor checks that
+what it reaches for is there; tests/test_private.py exercises each one on the installed
+versions, so an upgrade that moves one fails there, by name, rather than somewhere inside a
+run. Where a caller can do without (a less precise
 message), a missing internal reads as "nothing to report", as the callers did before.
 """
 
 from __future__ import annotations
 
-import multiprocessing.forkserver
 from typing import Any
 
 from app.errors import InternalMissing
@@ -51,39 +53,6 @@ def no_sigchld_handler() -> None:
 
     if hasattr(signal_handling, "_SIGCHLD_handler_set"):
         signal_handling._SIGCHLD_handler_set = True
-
-
-# multiprocessing ----------------------------------------------------------------------------
-
-def forkserver_pid() -> int | None:
-    """The pid of multiprocessing's worker server (None: not started, or not to be found)."""
-    try:
-        return _attr(_attr(multiprocessing.forkserver, "_forkserver"), "_forkserver_pid")
-    except InternalMissing:
-        return None
-
-
-def set_multiprocessing_tempdir(path: str) -> bool:
-    """Make `path` the folder multiprocessing keeps its sockets in (the worker server's
-    listener), instead of a `pymp-*` folder it names itself; False when it has one already.
-    multiprocessing.util.get_temp_dir reads it from the process's private config."""
-    import multiprocessing.process
-
-    config = _attr(multiprocessing.process.current_process(), "_config")
-    if not isinstance(config, dict):
-        raise InternalMissing("multiprocessing's process config is not a dict")
-    if config.get("tempdir") is not None:
-        return False
-    config["tempdir"] = path
-    return True
-
-
-# Hydra --------------------------------------------------------------------------------------
-
-def job_error(result: Any) -> BaseException:
-    """The exception a failed Hydra job raised (`JobReturn.return_value` re-raises it, but
-    writes a line to stderr first)."""
-    return _attr(result, "_return_value")
 
 
 # submitit -----------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ imports torch itself, so that both imports run at the same time.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -24,10 +23,8 @@ from typing import TYPE_CHECKING
 import psutil
 
 from app import signals
-from app._private import forkserver_pid as _forkserver_pid
-from app._private import set_multiprocessing_tempdir
 from app.config import AppConfig, Mode
-from app.errors import InternalMissing, Interrupted, WorkerFailed, WorkerKilled
+from app.errors import Interrupted, WorkerFailed, WorkerKilled
 from app.launch import ends
 from app.run_name import resume_hint
 
@@ -54,33 +51,41 @@ def prestart(cfg: AppConfig) -> None:
 MP_TEMP_PREFIX = "app-mp-"  # + the launcher's pid: multiprocessing's folder of sockets
 
 
-def _own_temp_dir() -> None:
-    """multiprocessing's folder of sockets, named for this process: a launcher killed by
-    SIGKILL cannot remove its own (Python's `pymp-*` folders were left for good), so each
-    start removes those of launchers of this host that are gone."""
+def _start_worker_server() -> None:
+    """Start the worker server with Ctrl-C ignored: it imports torch first and sets its own
+    handlers only after that, so a Ctrl-C in that window would end it with a traceback (and
+    the next worker's start with another). The launcher alone answers Ctrl-C; each worker
+    takes SIGINT back at its start (app.launch.worker).
+
+    multiprocessing keeps its sockets in a folder (`pymp-*`) that a launcher killed by SIGKILL
+    cannot remove: it goes into one named for this process (unless multiprocessing has one
+    already), and each start removes those of launchers of this host that are gone."""
     base = Path(tempfile.gettempdir())
     for old in base.glob(f"{MP_TEMP_PREFIX}*"):
         pid = old.name.removeprefix(MP_TEMP_PREFIX).split("-")[0]
         if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     mine = tempfile.mkdtemp(prefix=f"{MP_TEMP_PREFIX}{os.getpid()}-")
+    before, tempfile.tempdir = tempfile.tempdir, mine
     try:
-        if set_multiprocessing_tempdir(mine):
-            atexit.register(shutil.rmtree, mine, True)
-            return
-    except InternalMissing:
-        pass
-    os.rmdir(mine)
+        multiprocessing.util.get_temp_dir()
+        with signals.caught(signal.SIG_IGN, (signal.SIGINT,)):
+            multiprocessing.forkserver.ensure_running()
+    finally:
+        tempfile.tempdir = before
+    if any(Path(mine).iterdir()):  # after multiprocessing's own clean-up (exitpriority -100)
+        multiprocessing.util.Finalize(None, shutil.rmtree, (mine, True), exitpriority=-101)
+    else:
+        os.rmdir(mine)
 
 
-def _start_worker_server() -> None:
-    """Start the worker server with Ctrl-C ignored: it imports torch first and sets its own
-    handlers only after that, so a Ctrl-C in that window would end it with a traceback (and
-    the next worker's start with another). The launcher alone answers Ctrl-C; each worker
-    takes SIGINT back at its start (app.launch.worker)."""
-    _own_temp_dir()
-    with signals.caught(signal.SIG_IGN, (signal.SIGINT,)):
-        multiprocessing.forkserver.ensure_running()
+def _server_pid() -> int | None:
+    """The worker server: the child of this process that runs multiprocessing.forkserver."""
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if any("multiprocessing.forkserver" in part for part in child.cmdline()):
+                return child.pid
+    return None
 
 
 class _ParentSignals:
@@ -136,12 +141,11 @@ def _send(handle: psutil.Process | None, sig: int) -> None:
         handle.send_signal(sig)
 
 
-def _forkserver_death(settle_s: float = 2.0) -> str | None:
+def _forkserver_death(pid: int | None, settle_s: float = 2.0) -> str | None:
     """How the worker server ended (it is this process's child), or None while it runs. It is
     not reaped here: multiprocessing restarts it (a sweep's next job) once it has reaped it.
     A dying server closes its sockets (the workers then read as exit code 255) a moment before
     it becomes a zombie that waitid sees, so its end is awaited up to `settle_s`."""
-    pid = _forkserver_pid()
     if pid is None:
         return None
     deadline = time.monotonic() + settle_s
@@ -234,6 +238,7 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
     if method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)  # (when prestart could not know)
         _start_worker_server()
+    server = _server_pid() if method == "forkserver" else None
     grace, devices, url = cfg.distributed.kill_grace_s, plan.devices, plan.url
     base_rank = cfg.machine_rank * devices
     log.info("starting %d workers (%s, ranks %d-%d of %d, rendezvous %s)", devices, method,
@@ -250,7 +255,7 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
             join=False, start_method=method).processes
         launcher_alive.close()
         result_sent.close()
-        killed, server_died = _watch(cfg, procs, signals)
+        killed, server_died = _watch(cfg, procs, signals, server)
         ended = ends.read(run_dir, started, range(base_rank, base_rank + devices))
         # The first worker sends its result after the last collective: the run has completed,
         # even if a signal reached a worker as it was exiting.
@@ -284,7 +289,8 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
         cause_code)
 
 
-def _watch(cfg: AppConfig, procs: list, signals: _ParentSignals) -> tuple[set[int], str | None]:
+def _watch(cfg: AppConfig, procs: list, signals: _ParentSignals, server: int | None
+           ) -> tuple[set[int], str | None]:
     """Wait until every worker has ended; stop them all when one fails, when a signal comes or
     when the worker server dies. Returns the workers killed, and how the server died (if it did:
     the workers' exit codes are then unknown)."""
@@ -307,7 +313,7 @@ def _watch(cfg: AppConfig, procs: list, signals: _ParentSignals) -> tuple[set[in
         now = time.monotonic()
         # A worker's end reads as exit code 255 when the server is gone: check which it is.
         if forkserver and server_died is None and any(p.exitcode == 255 for p in procs):
-            server_died = _forkserver_death()
+            server_died = _forkserver_death(server)
             if server_died is not None:
                 asked_at = now
                 for handle in handles:

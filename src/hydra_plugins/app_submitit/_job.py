@@ -5,6 +5,8 @@ runs in the submitted job (`__call__`), which fails its task when the job failed
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import sys
 from pathlib import Path
@@ -153,7 +155,6 @@ class JobSide:
                  job_id: str, singleton_state: dict[type, Singleton]) -> JobReturn:
         import submitit  # lazy, as in the stock launcher
 
-        from app._private import job_error
         from app.env import enter
         from app.signals import hold_sigterm
 
@@ -180,7 +181,9 @@ class JobSide:
                          config=config, job_dir_key=job_dir_key,
                          job_subdir_key="hydra.sweep.subdir")
         if result.status == JobStatus.FAILED:
-            raise job_error(result)
+            # Raises the job's own exception (Hydra writes a line of its own first: not here)
+            with contextlib.redirect_stderr(io.StringIO()):
+                _ = result.return_value
         self._fail_if_recorded(self._run_dir(job_num))
         return result
 
