@@ -15,7 +15,7 @@ failed=0
 check() { echo "== $*"; "$@" || { echo "!! FAILED: $*"; failed=1; }; }
 
 nvidia-smi -L
-check python3 -c "import torch, torchvision, timm, hydra, submitit; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'timm', timm.__version__, 'cuda', torch.cuda.is_available())"
+check python3 -c "import torch, torchvision, timm, hydra, submitit, matplotlib, psutil; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'timm', timm.__version__, 'cuda', torch.cuda.is_available())"
 check python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_models.py \
   tests/test_gpu.py
 out=/tmp/gpu-runs  # (their files stay there; the log says what they did)

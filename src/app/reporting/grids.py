@@ -1,5 +1,5 @@
 """A grid of images with their predicted (and true) labels: `predictions.png` of predict mode
-and the eval_visuals callback's pictures. Drawn with Pillow, as every picture of app is.
+and the eval_visuals callback's pictures, drawn with Pillow.
 
 Each image is scaled up by whole pixels (nearest neighbour: an 8x8 digit stays 64 visible
 squares). Images are drawn as they are, values in [0, 1] (0 black, 1 white; clipped): what
