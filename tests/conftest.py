@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl
 import io
 import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -292,12 +294,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # (stable)
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
+               build: Callable[[Path], None]) -> Path:
+    """The folder that `build(folder)` filled, built once per test session: the pytest-xdist
+    workers share it (the first to ask builds it under a lock, the others wait for it), so a
+    fixture made by `python -m app` runs once, not once per worker that needs it. A build that
+    failed is tried again by the next worker to ask (which then fails with its own message).
+    The tests only read what it holds."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's folder, above each worker's own
+    folder, done = base / "built-once" / name, base / "built-once" / f"{name}.done"
+    folder.parent.mkdir(exist_ok=True)
+    with open(folder.parent / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when closed, or when its worker dies)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One tiny training run, shared by the tests that need a checkpoint."""
-    run_dir = tmp_path_factory.mktemp("trained") / "run"
-    assert_ok(run_app(run_dir, *TINY))
-    return run_dir
+    """One tiny training run through the CLI, shared by the tests that need a checkpoint (and
+    by every pytest worker: `built_once`)."""
+    def train(folder: Path) -> None:
+        assert_ok(run_app(folder / "run", *TINY))
+
+    return built_once(tmp_path_factory, "trained", train) / "run"
 
 
 # hydra-submitit-launcher's own tests run in their folder, as their authors run them

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.errors import UserError
-from conftest import REPO, run_job
+from conftest import REPO, built_once, run_job
 
 # Settings that differ from the defaults: an evaluation that retyped nothing must still
 # build this model, on this data.
@@ -23,13 +23,16 @@ TRAINED = ["model.channels=[8,16]", "model.dropout=0.0", "data.batch_size=32",
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
-    """A real sweep of two jobs, as the CLI writes it (each job's .hydra/config.yaml)."""
-    folder = tmp_path_factory.mktemp("runs") / "sweep"
-    done = subprocess.run([sys.executable, "-m", "app", "-m", f"hydra.sweep.dir={folder}",
-                           *TRAINED, "optimizer.lr=0.01,0.003"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return folder
+    """A real sweep of two jobs, as the CLI writes it (each job's .hydra/config.yaml); one,
+    shared by the pytest workers that run these tests (`built_once`)."""
+    def run_sweep(folder: Path) -> None:
+        done = subprocess.run([sys.executable, "-m", "app", "-m",
+                               f"hydra.sweep.dir={folder / 'sweep'}", *TRAINED,
+                               "optimizer.lr=0.01,0.003"], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "from-run-sweep", run_sweep) / "sweep"
 
 
 def _best(sweep: Path) -> dict[str, float]:

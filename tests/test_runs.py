@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app import runs
-from conftest import HELPERS, REPO
+from conftest import HELPERS, REPO, built_once
 
 # fault_rank=0 and fault_call=5 together: only job #0 raises (a devices=1 run is rank 0).
 SWEEP = ["model._target_=faults.FaultyCNN", "+model.fault=raise", "+model.fault_rank=0,1",
@@ -21,13 +21,15 @@ SWEEP = ["model._target_=faults.FaultyCNN", "+model.fault=raise", "+model.fault_
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("outputs")
-    done = subprocess.run([sys.executable, "-m", "app", "-m",
-                           f"hydra.sweep.dir={root / 'multirun' / 'sweep'}", *SWEEP],
-                          cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(HELPERS)})
-    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]  # (one failed)
-    return root
+    """The sweep's outputs folder; one, shared by the pytest workers that run these tests."""
+    def run_sweep(root: Path) -> None:
+        done = subprocess.run([sys.executable, "-m", "app", "-m",
+                               f"hydra.sweep.dir={root / 'multirun' / 'sweep'}", *SWEEP],
+                              cwd=REPO, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(HELPERS)})
+        assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]  # (one failed)
+
+    return built_once(tmp_path_factory, "runs-outputs", run_sweep)
 
 
 def _run(capsys, *argv: str) -> tuple[int, list[str]]:
