@@ -116,15 +116,21 @@ def test_the_same_jobs_typed_in_another_order_are_followed_not_submitted_again(t
 def test_a_submission_stopped_between_two_arrays_leaves_its_jobs_on_record(tmp_path) -> None:
     """8 jobs in two arrays (the local cluster's MaxArraySize is 4), SIGTERM while the second
     is being submitted: the first array's jobs are recorded, so a sweep of other values is
-    refused and the same command follows them and submits the rest, each job once."""
+    refused and the same command follows them and submits the rest, each job once.
+
+    The command waits for an sbatch it started to return (submitit does not kill it): the
+    fake second sbatch hangs until the test releases it, after the SIGTERM (it slept 30 s,
+    which the test waited out)."""
     sweep, fake = tmp_path / "sweep", tmp_path / "bin"
     fake.mkdir()
     real = subprocess.run(["sh", "-c", "command -v sbatch"], capture_output=True,
                           text=True).stdout.strip()
-    count = tmp_path / "sbatch-calls"
-    (fake / "sbatch").write_text(  # the second submission hangs until the command is stopped
+    count, release = tmp_path / "sbatch-calls", tmp_path / "release"
+    (fake / "sbatch").write_text(  # the second submission hangs until it is released
         f'#!/bin/sh\necho x >> {count}\n'
-        f'[ "$(wc -l < {count})" -ge 2 ] && exec sleep 30\nexec {real} "$@"\n')
+        f'if [ "$(wc -l < {count})" -ge 2 ]; then\n'
+        f'  for _ in $(seq 600); do [ -e {release} ] && exit 0; sleep 0.1; done; exit 1\n'
+        f'fi\nexec {real} "$@"\n')
     (fake / "sbatch").chmod(0o755)
     env = {**os.environ, "PYTHONPATH": str(HELPERS), "PATH": f"{fake}:{os.environ['PATH']}"}
     try:
@@ -137,6 +143,8 @@ def test_a_submission_stopped_between_two_arrays_leaves_its_jobs_on_record(tmp_p
                 (tmp_path / "first.log").read_text()[-3000:]
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # (the signal is taken before the hanging sbatch returns)
+        release.touch()
         assert proc.wait(timeout=60) == 143
         said = (tmp_path / "first.log").read_text()
         first = _recorded(sweep)
