@@ -1,4 +1,9 @@
-"""A failure anywhere ends the whole job promptly, says where, and leaves no process behind."""
+"""A failure anywhere ends the whole job promptly, says where, and leaves no process behind.
+
+The faults and signals whose driver is the same (start a job of two ranks, maybe do something
+to it, read how it ended) are one table, TRIALS; the trials with steps of their own follow it,
+and the launcher's logic runs in this process (`run_job`) where the console is not the
+subject."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -31,8 +38,6 @@ from conftest import (
     worker_pids,
 )
 
-FAULTY = [*TINY, "devices=2", "model._target_=faults.FaultyCNN", "distributed.timeout_s=5"]
-
 
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(
@@ -41,41 +46,131 @@ def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
         env={**os.environ, "PYTHONPATH": str(HELPERS)})
 
 
-def test_a_failing_rank_ends_the_job_in_one_line(tmp_path) -> None:
-    # Through the CLI: the console has one line, the rank's traceback is in its own log.
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir, *FAULTY, "+model.fault=raise")
-    output, _ = proc.communicate(timeout=120)  # (without the fault handling: never)
-    assert proc.returncode == 1, output[-3000:]
-    assert "rank 1 failed: RuntimeError: injected fault" in output, output[-3000:]
-    assert "Traceback" not in output
-    rank_log = (run_dir / "logs" / "rank1.log").read_text()
-    assert "Traceback" in rank_log and "injected fault" in rank_log
-    pids = worker_pids(run_dir)
-    assert len(pids) == 2 and not [p for p in pids if alive(p)]
+def _pid_of_rank(run_dir: Path, rank: int) -> int:
+    log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+    return int(re.search(rf"rank {rank} of \d+: pid (\d+)", log)[1])
 
 
-def test_a_user_error_on_one_rank_exits_2_as_it_does_with_one_process(tmp_path) -> None:
-    # (Rank 0 fails too, in its next collective: the cause is rank 1's, and its status.)
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir, *FAULTY, "+model.fault=user_error")
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 2, output[-3000:]
-    assert "rank 1 failed: UserError: injected bad input" in output, output[-3000:]
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["status"] == "failed" and "UserError: injected bad input" in result["error"]
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def test_a_failure_of_rank_0_leaves_no_store_warnings_on_the_console(tmp_path) -> None:
-    # Rank 0 serves the store: the other rank's watchdog kept calling it once it was gone,
-    # and each call printed a C++ warning with its stack (some 15 lines a second).
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir, *FAULTY, "+model.fault=user_error", "+model.fault_rank=0")
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 2, output[-3000:]
-    assert "rank 0 failed: UserError: injected bad input" in output, output[-3000:]
-    assert "TCPStore" not in output and "frame #" not in output, output[-3000:]
+# -- the table: a fault or a signal, and how the job must end ------------------------------------
 
+@dataclass(frozen=True)
+class Trial:
+    """One `python -m app` of two ranks, in a process group of its own (a terminal's foreground
+    job); the launcher and its workers are the subject. `act`, once 10 metric rows are logged,
+    does something to the job and returns values for the words ({server}); `said` are in the
+    console ({step}: the step of checkpoints/last.pt, which `saved` requires), `not_said` are
+    not; `files` maps a file of the run to words in it; `status` is result.json's. Every trial
+    also ends with no worker left running."""
+
+    pins: str  # the behaviour the row pins
+    overrides: tuple[str, ...]
+    exit_code: int
+    said: tuple[str, ...]
+    not_said: tuple[str, ...] = ("Traceback",)
+    act: Callable[[subprocess.Popen, Path], dict] | None = None
+    saved: bool = False
+    files: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    status: str | None = None
+
+
+def _sigterm_to_rank_1(proc: subprocess.Popen, run_dir: Path) -> dict:
+    os.kill(_pid_of_rank(run_dir, 1), signal.SIGTERM)
+    return {}
+
+
+def _ctrl_c(proc: subprocess.Popen, run_dir: Path) -> dict:
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group
+    return {}
+
+
+def _kill_the_worker_server(proc: subprocess.Popen, run_dir: Path) -> dict:
+    server = _parent(_pid_of_rank(run_dir, 0))
+    assert server != proc.pid and _parent(server) == proc.pid  # the forkserver
+    os.kill(server, signal.SIGKILL)
+    return {"server": server}
+
+
+FAULTY = [*TINY, "devices=2", "model._target_=faults.FaultyCNN", "distributed.timeout_s=5"]
+TRAINING = (*TINY, "devices=2", "trainer.max_epochs=400")  # (until it is stopped)
+
+TRIALS = {
+    "a failing rank": Trial(
+        "a rank's exception ends the job at once in one console line; the rank's traceback is "
+        "in its own log", (*FAULTY, "+model.fault=raise"), 1,
+        said=("rank 1 failed: RuntimeError: injected fault",),
+        files={"logs/rank1.log": ("Traceback", "injected fault")}),
+    "a user error on rank 1": Trial(
+        "a UserError on one rank exits 2, as with one process (rank 0 fails too, in its next "
+        "collective: the cause and the status are rank 1's)",
+        (*FAULTY, "+model.fault=user_error"), 2,
+        said=("rank 1 failed: UserError: injected bad input",), status="failed",
+        files={"result.json": ("UserError: injected bad input",)}),
+    "a failure of rank 0": Trial(
+        "rank 0 serves the store: once it is gone, the other rank's watchdog printed a C++ "
+        "warning with its stack on every call (some 15 lines a second); none now",
+        (*FAULTY, "+model.fault=user_error", "+model.fault_rank=0"), 2,
+        said=("rank 0 failed: UserError: injected bad input",),
+        not_said=("Traceback", "TCPStore", "frame #")),
+    "SIGTERM to one worker": Trial(
+        "a cluster agent or a user may signal one process of the job, not its launcher: a stop "
+        "with a checkpoint, not a failure", TRAINING, 128 + signal.SIGTERM, act=_sigterm_to_rank_1,
+        saved=True, status="interrupted",
+        said=("stopped by SIGTERM sent to a worker; the workers saved a checkpoint at step "
+              "{step}",)),
+    "Ctrl-C": Trial(
+        "Ctrl-C (SIGINT to every process of the group) stops every process with a checkpoint",
+        TRAINING, 128 + signal.SIGINT, act=_ctrl_c, saved=True, said=("stopped by SIGINT",)),
+    "a killed worker server": Trial(
+        "the forkserver killed under the workers ends them, said in one line (no exit codes)",
+        TRAINING, 1, act=_kill_the_worker_server,
+        said=("the worker server (forkserver) (pid {server}) was killed by SIGKILL: the "
+              "workers were stopped",),
+        not_said=("Traceback", "exit codes")),
+}
+
+
+@pytest.mark.parametrize("name", list(TRIALS))
+def test_a_fault_or_a_signal_ends_the_job_as_the_table_says(name, tmp_path) -> None:
+    trial = TRIALS[name]
+    run_dir, out = tmp_path / "run", tmp_path / "out.txt"
+    with open(out, "w") as sink:  # (a pipe would wait for workers that outlive the launcher)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *trial.overrides],
+            cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(HELPERS)})
+    try:
+        values = {}
+        if trial.act is not None:
+            wait_for_rows(run_dir, 10)
+            values = trial.act(proc, run_dir)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = out.read_text()
+    assert proc.returncode == trial.exit_code, output[-3000:]
+    workers = worker_pids(run_dir)
+    assert len(workers) == 2 and not [p for p in workers if alive(p)], output[-3000:]
+    if trial.saved:
+        values["step"] = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
+        assert values["step"] > 0
+    for words in trial.said:
+        assert words.format(**values) in output, output[-3000:]
+    for words in trial.not_said:
+        assert words not in output, output[-3000:]
+    for file, words in trial.files.items():
+        text = (run_dir / file).read_text()
+        assert all(w in text for w in words), (file, words, text[-3000:])
+    if trial.status is not None:
+        assert json.loads((run_dir / "result.json").read_text())["status"] == trial.status
+
+
+# -- in this process, and the trials of their own -----------------------------------------------
 
 @pytest.mark.parametrize("fault,words", [
     ("kill", ["rank 1 (pid", "killed by SIGKILL"]),
@@ -94,6 +189,10 @@ def test_a_rank_that_dies_or_hangs_ends_the_job(fault, words, tmp_path) -> None:
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_resume_is_exact(tmp_path) -> None:
+    """The launcher's stop (its console, exit status and workers are the subject), then the
+    resume of the checkpoint both ranks saved at it: bit-identical to an uninterrupted run. The
+    resume and the reference run here (`run_job`: the same overrides and run directory, so
+    resume=auto, as the same command again; the CLI's own resume: tests/test_resume.py)."""
     overrides = [*TINY, "devices=2", "trainer.max_epochs=6", "trainer.ckpt_every_n_epochs=null"]
     run_dir = tmp_path / "interrupted"
     proc = _start(run_dir, *overrides)
@@ -110,33 +209,19 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_is_exact(tmp_path) -> No
         output, output[-3000:]
     assert not [p for p in worker_pids(run_dir) if alive(p)]
 
-    resumed = _start(run_dir, *overrides)  # resume=auto: the same command again
-    output, _ = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, output[-3000:]
-    assert f"at step {stopped_at}" in output
+    run_job(run_dir, *overrides)  # resume=auto
+    assert f"resumed from {run_dir / 'checkpoints' / 'last.pt'} at step {stopped_at}" in \
+        (run_dir / "logs" / "rank0.log").read_text()
     reference = run_job(tmp_path / "reference", *overrides).run_dir  # (uninterrupted)
     assert_same_weights(reference / "checkpoints" / "last.pt",
                         run_dir / "checkpoints" / "last.pt")
     assert read_metrics(run_dir) == read_metrics(reference)
 
 
-def test_sigterm_to_one_worker_is_a_stop_with_a_checkpoint_not_a_failure(tmp_path) -> None:
-    # (A cluster agent or a user may signal one process of the job, not its launcher.)
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir, *TINY, "devices=2", "trainer.max_epochs=400")
-    wait_for_rows(run_dir, 10)
-    os.kill(_pid_of_rank(run_dir, 1), signal.SIGTERM)
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
-    stopped_at = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
-    assert f"stopped by SIGTERM sent to a worker; the workers saved a checkpoint at step " \
-           f"{stopped_at}" in output, output[-3000:]
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["status"] == "interrupted"
-
-
 def test_sigterm_before_training_records_the_run_as_interrupted(tmp_path) -> None:
-    # (It ended the process at once: no line, no result.json; app.status said "killed?".)
+    """A SIGTERM while the data set is built: exit 143, one line, result.json "interrupted"
+    (it ended the process at once: no line, no result.json; app.status said "killed?"), and
+    the run's lock is free for the next command (here, `run_job`)."""
     run_dir, marker = tmp_path / "run", tmp_path / "building"
     proc = _start(run_dir, *TINY, "data._target_=faults.SlowDigits", "+data.setup_s=60",
                   f"+data.marker={marker}")
@@ -149,30 +234,8 @@ def test_sigterm_before_training_records_the_run_as_interrupted(tmp_path) -> Non
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert "stopped by SIGTERM" in output and "Traceback" not in output
     assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
-    again = _start(run_dir, *TINY, "trainer.max_steps=2")  # the run's lock is free
-    output, _ = again.communicate(timeout=120)
-    assert again.returncode == 0, output[-3000:]
-
-
-def test_ctrl_c_stops_every_process_with_a_checkpoint(tmp_path) -> None:
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "devices=2",
-         "trainer.max_epochs=50"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)  # its own process group, as a terminal's foreground job
-    wait_for_rows(run_dir, 10)
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group
-    output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
-    assert "stopped by SIGINT" in output and "Traceback" not in output
-    assert load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"] > 0
-    assert not [p for p in worker_pids(run_dir) if alive(p)]
-
-
-def _pid_of_rank(run_dir: Path, rank: int) -> int:
-    log = (run_dir / "logs" / f"rank{rank}.log").read_text()
-    return int(re.search(rf"rank {rank} of \d+: pid (\d+)", log)[1])
+    run_job(run_dir, *TINY, "trainer.max_steps=2")  # (a held lock: RunDirInUse)
+    assert load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"] == 2
 
 
 def _stop_with_rank_1_stopped(run_dir: Path, *overrides: str) -> tuple[int, str, list[Path]]:
@@ -227,30 +290,6 @@ def test_a_stop_with_a_stopped_rank_reports_what_was_saved(tmp_path) -> None:
         per_epoch = int(re.search(r"(\d+) steps/epoch",
                                   (run_dir / "logs" / "rank0.log").read_text())[1])
         assert all(int(p.stem.split("-")[1]) % per_epoch == 0 for p in set(after) - set(before))
-
-
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def test_a_killed_worker_server_ends_the_workers_in_one_line(tmp_path) -> None:
-    run_dir, out = tmp_path / "run", tmp_path / "out.txt"
-    with open(out, "w") as sink:  # (a pipe would wait for workers that outlive the launcher)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "devices=2",
-             "trainer.max_epochs=400"], cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
-    wait_for_rows(run_dir, 10)
-    server = _parent(_pid_of_rank(run_dir, 0))
-    assert server != proc.pid and _parent(server) == proc.pid  # the forkserver
-    os.kill(server, signal.SIGKILL)
-    proc.wait(timeout=240)
-    workers = worker_pids(run_dir)
-    assert len(workers) == 2 and not [p for p in workers if alive(p)]  # none prints after
-    output = out.read_text()
-    assert proc.returncode == 1, output[-3000:]
-    assert f"the worker server (forkserver) (pid {server}) was killed by SIGKILL: the " \
-           f"workers were stopped" in output, output[-3000:]
-    assert "exit codes" not in output and "Traceback" not in output
 
 
 @pytest.mark.parametrize("devices", ["devices=1", "devices=2"])
