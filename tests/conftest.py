@@ -280,9 +280,15 @@ def check_summary(sweep: Path, num_jobs: int, completed_only: bool = False
 # cluster's nodes have room for several of their small jobs at once.)
 ONE_WORKER = ("test_resume.py", "test_checkpoint_faults.py")
 # The files of the longest tests (Slurm jobs, signals, timeouts, DDP runs) are handed out
-# first, so that the workers end together instead of one finishing a long test alone.
-LONG_FIRST = ("test_slurm.py", "test_failfast.py", "test_resume.py", "test_ddp.py",
-              "test_watchdog.py", "test_sweeps.py", "test_features.py", "test_reliability.py")
+# first, so that the workers end together instead of one finishing a long test alone; those
+# of a test over 30 s in CI first of all (the stock launcher's own tests, a requeue, a resumed
+# Optuna sweep, a sweep larger than MaxArraySize, a local sweep's stop, a kill during sharded
+# writes, a requeue after a killed task or a failed node, a refused command's record).
+LONG_FIRST = ("test_good_citizen.py", "test_slurm.py", "test_optuna_resume.py",
+              "test_cluster_ops.py", "test_submit_stop.py", "test_fsdp.py",
+              "test_slurm_recovery.py", "test_run_record.py", "test_failfast.py",
+              "test_resume.py", "test_ddp.py", "test_watchdog.py", "test_sweeps.py",
+              "test_features.py", "test_reliability.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
