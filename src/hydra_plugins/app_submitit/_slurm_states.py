@@ -1,37 +1,31 @@
 """Job states for the submitting command: from sacct, or from squeue where sacct fails.
 
-submitit reads states from sacct only. On a cluster without accounting (the local test
-cluster, many small ones) every state stays UNKNOWN, so a job that ends without a result
-from every task (scancel, a killed task, a node failure) is waited for forever. Slurm's
-controller keeps a finished job, with its final state, for MinJobAge seconds (300 by
-default) and `squeue --states=all` lists it meanwhile; a job that squeue no longer lists at
-all has ended too. The module name starts with "_": Hydra's plugin scan skips it, so submitit
-is imported only by runs that submit.
+submitit reads sacct only: without accounting (the local test cluster, many small ones)
+every state stays UNKNOWN, and a job that ends without a result from every task is waited for
+forever. `squeue --states=all` lists a finished job, with its final state, for MinJobAge
+seconds (300 by default); a job it no longer lists at all has ended too.
 """
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import time
 
 from app._private import slurm_info_watcher
 from app.slurm import FINAL
 
-log = logging.getLogger(__name__)
+from . import log
 
 # Ours, not Slurm's: squeue no longer lists the job (the controller forgot it after MinJobAge).
 GONE = "GONE"
 assert GONE in FINAL  # the states after which a job never runs again
-# Polls at least this often: well under MinJobAge, so a job's final state is still listed.
-DELAY_S = 60
 
 
 class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
     """submitit's watcher, reading squeue once sacct has failed (told once, not every poll)."""
 
-    def __init__(self, delay_s: int = DELAY_S) -> None:
-        super().__init__(delay_s=delay_s)
+    def __init__(self) -> None:
+        super().__init__()  # (a poll at least every 60 s: well under MinJobAge)
         self.source = "sacct"
         self._squeue_failed = False
 
@@ -63,19 +57,16 @@ class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
             if self.is_done(job_id, mode="cache"):
                 self._finished.add(job_id)
 
-    def _run(self, command: list[str]) -> subprocess.CompletedProcess | str:
+    def _run(self, command: list[str]) -> subprocess.CompletedProcess:
         try:
             return subprocess.run(command, capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as e:
-            return str(e)
+            return subprocess.CompletedProcess(command, -1, "", str(e))
 
     def _sacct(self) -> dict[str, dict[str, str]] | None:
-        command = self._make_command()
-        assert command is not None
-        done = self._run(command)
-        if isinstance(done, str) or done.returncode != 0:
-            why = done if isinstance(done, str) else (done.stderr.strip().splitlines()
-                                                      or [f"exit code {done.returncode}"])[0]
+        done = self._run(self._make_command())
+        if done.returncode != 0:
+            why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[0]
             log.warning("sacct failed (%s): job states come from squeue", why)
             self.source = "squeue"
             return None
@@ -85,11 +76,9 @@ class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
         done = self._run(["squeue", "--noheader", "--array", "--states=all",
                           "--format=%i|%T|%r", f"--jobs={','.join(ids)}"])
         # squeue fails with "Invalid job id specified" only when it lists none of the jobs.
-        if isinstance(done, str) or (done.returncode != 0
-                                     and "Invalid job id" not in done.stderr):
+        if done.returncode != 0 and "Invalid job id" not in done.stderr:
             if not self._squeue_failed:  # states stay as they were; tried again next poll
-                why = done if isinstance(done, str) else done.stderr.strip()
-                log.warning("squeue failed (%s): job states may lag", why)
+                log.warning("squeue failed (%s): job states may lag", done.stderr.strip())
             self._squeue_failed = True
             return None
         info = {}
@@ -115,9 +104,6 @@ class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
     def waiting(self) -> dict[str, tuple[str, str]]:
         """Each job not finished -> (state, why it waits: Slurm's reason), as last polled
         (no call to Slurm); the reason is "" where none was read."""
-        found = {}
-        for job_id in self._registered - self._finished:
-            fields = self._info_dict.get(job_id, {})
-            if fields.get("State"):
-                found[job_id] = (fields["State"], fields.get("Reason", ""))
-        return found
+        return {job_id: (fields["State"], fields.get("Reason", ""))
+                for job_id in self._registered - self._finished
+                if (fields := self._info_dict.get(job_id, {})).get("State")}

@@ -1,17 +1,10 @@
-"""The code snapshot of a Slurm submission: the code the jobs import, copied into the sweep
-directory when they are submitted, so that editing the working tree never changes a queued
-job, nor its requeues next week.
-
-What is copied: the folders a job imports from, as this process does (the working
-directory, each PYTHONPATH folder, and app's own source folder when it is not installed into
-site-packages); of each, the files git tracks or would track (not ignored) when it lies in a
-git work tree, else its `.py` files. The jobs then import from the copy: its folders go
-first on PYTHONPATH and PYTHONSAFEPATH=1 keeps the job's working directory off sys.path
-(Python 3.11 and later; before, the working directory's own modules still come from the
-working tree). A top-level module the copy lacks still comes from the original folders,
-which follow.
-
-The module name starts with "_": Hydra's plugin scan skips it.
+"""The code snapshot of a Slurm submission: the folders the jobs import from (the working
+directory, each PYTHONPATH folder, app's own source when it is not in site-packages; of each,
+the files git tracks or does not ignore, else its `.py` files), copied into the sweep
+directory, so that editing the working tree never changes a queued job nor its requeues.
+The jobs import from the copy: it goes first on PYTHONPATH, and PYTHONSAFEPATH=1 keeps the
+job's working directory off sys.path. (submitit's RsyncSnapshot copies one git repository's
+tracked files and needs rsync.)
 """
 
 from __future__ import annotations
@@ -54,11 +47,7 @@ def import_roots() -> list[Path]:
     source = Path(app.__file__).resolve().parents[1]
     if not {"site-packages", "dist-packages"} & set(source.parts):
         roots.append(source)
-    unique: list[Path] = []
-    for root in (r.resolve() for r in roots):
-        if root.is_dir() and root not in unique:
-            unique.append(root)
-    return unique
+    return [root for root in dict.fromkeys(r.resolve() for r in roots) if root.is_dir()]
 
 
 def files_of(root: Path) -> list[Path]:
@@ -112,8 +101,6 @@ def take(sweep_dir: Path, max_mb: float) -> Snapshot:
             target = dest[root] / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(root / name, target)
-    paths = []
-    for root in roots:
-        outer = next(o for o in copied if o == root or o in root.parents)
-        paths.append(str(dest[outer] / root.relative_to(outer)))
+    outer = {root: next(o for o in copied if o == root or o in root.parents) for root in roots}
+    paths = [str(dest[outer[root]] / root.relative_to(outer[root])) for root in roots]
     return Snapshot(where, paths, sum(map(len, plan.values())), size)

@@ -1,19 +1,13 @@
-"""app's launcher options: in app, `hydra/launcher=submitit_slurm` and `submitit_local`
-(`launcher=slurm` selects the first) run app's launchers (launcher.py); in every other Hydra
-program they stay the stock ones, untouched.
+"""app's launcher options: in app, `hydra/launcher=submitit_slurm` and `submitit_local` run
+app's launchers (launcher.py); in every other Hydra program they stay the stock ones.
 
-They are typed nodes, subclasses of hydra-submitit-launcher's schemas, so a misspelt or
-mistyped launcher key fails at compose time and users type the names the stock plugin
-documents. Hydra offers no per-program choice of a node of the same name: a YAML file of that
-name in app's conf/ is validated against the stock schema (a deprecated mechanism that warns
-on every run, and that refuses app's extra keys), and a node in the defaults list of app's
-primary config cannot see the launcher chosen (Hydra expands the primary config before its
-own). So the choice is made where Hydra builds a program's config search path, after its
-plugin scan and before it composes anything (`AppLaunchers`): when the program's primary
-config folder is app's own conf/, app's nodes take the stock names in Hydra's ConfigStore;
-for any other program the stock nodes are put back if app's had taken their place (a process
-that composed app first, such as a test). Nothing else is changed, and nothing of app (or
-torch) is imported: the check reads only this file's location.
+Typed nodes, subclasses of the stock schemas. Hydra offers no per-program choice of a node of
+the same name (a YAML file of that name in app's conf/ is validated against the stock
+schema, with a deprecation warning), so the choice is made where Hydra builds a program's
+config search path, after its plugin scan and before it composes anything (`AppLaunchers`):
+app's nodes take the stock names when the program's primary config folder is app's conf/;
+for any other program the stock nodes are put back if app's had taken their place. Nothing
+of app (or torch) is imported: the check reads only this file's location.
 """
 
 # (No `from __future__ import annotations`: Hydra's scan executes this module outside
@@ -45,18 +39,14 @@ class AppSlurmConf(SlurmQueueConf):
     mem_gb: int | None = 16  # memory per node, GB
     timeout_min: int = 60  # time limit of one run of the job; requeued up to max_num_timeout
     max_num_timeout: int = 3  # times a job that hits its time limit is requeued (it resumes)
-    # times a job is requeued after a transient fault (a task killed by a signal, a node that
-    # failed), apart from timeouts; it resumes from last.pt. An exception stays a failure.
+    # requeues after a task killed by a signal or a failed node (not an exception); it resumes
     max_num_failures: int = 3
     signal_delay_s: int = 120  # seconds before the time limit at which Slurm sends USR2
-    # false: submit, record the jobs in the sweep directory, print how to follow them and
-    # exit 0 at once (python -m app.status / app.report DIR); Optuna needs results: refused.
+    # false: submit, say how to follow the jobs (python -m app.status DIR) and exit at once
     wait: bool = True
-    # true: print each array's sbatch script and the resources, check them against the
-    # cluster (partitions, limits, nodes, MaxArraySize) and submit nothing.
+    # true: print each array's sbatch script, check it against the cluster, submit nothing
     dry_run: bool = False
-    # Copy the code the jobs import (tracked files) into the sweep directory at submission,
-    # and run the jobs (and their requeues) from that copy: edits never reach a queued job.
+    # the jobs (and their requeues) run a copy of the code taken at submission
     code_snapshot: bool = True
     snapshot_max_mb: float = 100  # a larger snapshot is refused (one line), nothing submitted
 
