@@ -1,23 +1,20 @@
-"""The job's side of app's submitit launchers: each job's config composed and validated in
-the submitting process (and its slice of this machine's GPUs for a local sweep), and what
-runs in the submitted job (`__call__`), which fails its task when the job failed. A mixin of
-`launcher._AppSubmititLauncher`, which submits the jobs and waits for them."""
+"""The job's side, a mixin of `launcher._AppSubmititLauncher`: each job's config composed and
+validated in the submitting process (with its slice of this machine's GPUs for a local
+sweep), and what runs in the job (`__call__`), which fails its task when the job failed."""
 
 from __future__ import annotations
 
 import contextlib
 import io
-import logging
-import sys
 from pathlib import Path
 from typing import Any
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-log = logging.getLogger("hydra_plugins.app_submitit.launcher")  # (the lines as before)
+from . import log, refuse
 
 
 def device_slice(job_num: int, devices: int | str, ids: list[str]) -> list[str] | None:
@@ -41,12 +38,10 @@ def with_job_id(config: DictConfig, job_id: str) -> None:
 
 
 class ComposedOnce:
-    """Hydra's sweepers compose each job's config to check the batch, and throw it away; the
-    launcher then composes the same overrides again (some 0.1-0.2 s a job: minutes before a
-    sweep of a thousand jobs is submitted). Wrapped around the config loader's
-    `load_sweep_config`, it keeps what the sweeper's check composed, and `take` hands each
-    of those to the launcher once: jobs with the same overrides get one each, in order; with
-    none kept (a sweeper that does not check), `take` composes. `forget` after each batch."""
+    """Hydra's sweepers compose each job's config to check the batch, and throw it away (some
+    0.1-0.2 s a job). Wrapped around the config loader's `load_sweep_config`, it keeps those,
+    and `take` hands each to the launcher once (jobs with the same overrides get one each);
+    with none kept (a sweeper that does not check), `take` composes. `forget` after a batch."""
 
     def __init__(self, load: Any) -> None:
         self.load, self.kept = load, {}
@@ -58,17 +53,16 @@ class ComposedOnce:
 
     def take(self, master_config: DictConfig, overrides: list[str]) -> DictConfig:
         kept = self.kept.get((id(master_config), tuple(overrides)))
-        if kept:
-            return kept.pop(0)
-        return self.load(master_config=master_config, sweep_overrides=overrides)
+        return kept.pop(0) if kept else self.load(master_config=master_config,
+                                                  sweep_overrides=overrides)
 
     def forget(self) -> None:
         self.kept.clear()
 
 
 class JobSide:
-    """(Its attributes are the launcher's: params, config, hydra_context, task_function,
-    composed, max_num_failures, _run_dir.)"""
+    """(Its attributes are the launcher's: params, config, hydra_context, composed,
+    max_num_failures.)"""
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function,  # type: ignore
@@ -78,9 +72,7 @@ class JobSide:
             loader.load_sweep_config = ComposedOnce(loader.load_sweep_config)
 
     def _forget_composed(self) -> None:
-        load = self.hydra_context.config_loader.load_sweep_config
-        if isinstance(load, ComposedOnce):
-            load.forget()
+        self.hydra_context.config_loader.load_sweep_config.forget()
 
     def _compose_and_validate(self, overrides: list[str], job_num: int) -> DictConfig:
         # app is imported lazily, as the stock plugin does with submitit: Hydra imports every
@@ -90,9 +82,7 @@ class JobSide:
         from app.from_run import apply_run
 
         assert self.hydra_context is not None and self.config is not None
-        load = self.hydra_context.config_loader.load_sweep_config
-        config = load.take(self.config, overrides) if isinstance(load, ComposedOnce) else \
-            load(self.config, overrides)
+        config = self.hydra_context.config_loader.load_sweep_config.take(self.config, overrides)
         with read_write(config.hydra), open_dict(config.hydra):
             config.hydra.job.num = job_num
             # Fixed strings: the job must not re-derive its directory (from the clock, say).
@@ -108,9 +98,7 @@ class JobSide:
             self._check_allocation(cfg.devices, cfg.nodes)
             self._share_devices(config, cfg, job_num)
         except AppError as e:
-            log.error("job #%d (%s): %s; nothing was submitted", job_num,
-                      " ".join(filter_overrides(overrides)), e)
-            sys.exit(2)
+            refuse("job #%d (%s): %s", job_num, " ".join(filter_overrides(overrides)), e)
         return config
 
     def _share_devices(self, config: DictConfig, cfg: Any, job_num: int) -> None:
@@ -153,12 +141,10 @@ class JobSide:
 
     def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int,
                  job_id: str, singleton_state: dict[type, Singleton]) -> JobReturn:
-        import submitit  # lazy, as in the stock launcher
-
         from app.env import enter
         from app.signals import hold_sigterm
 
-        assert self.hydra_context is not None and self.task_function is not None
+        assert self.hydra_context is not None
         # submitit ignores SIGTERM in a task (Slurm sends it before SIGKILL); one that comes
         # while the run is set up must still stop the loop at its first step, with a checkpoint.
         hold_sigterm()
@@ -172,19 +158,16 @@ class JobSide:
                                       self.max_num_failures)
             if too_many is not None:
                 raise JobFailed(too_many)
-        Singleton.set_state(singleton_state)
-        setup_globals()
-        config = self.composed[job_num]
-        with_job_id(config, submitit.JobEnvironment().job_id)
-        config = config.copy()
-        result = run_job(hydra_context=self.hydra_context, task_function=self.task_function,
-                         config=config, job_dir_key=job_dir_key,
-                         job_subdir_key="hydra.sweep.subdir")
+        # The stock job, on the config composed and validated at submission.
+        self.hydra_context.config_loader.load_sweep_config = \
+            lambda *_: self.composed[job_num].copy()
+        result = super().__call__(sweep_overrides, job_dir_key, job_num,  # type: ignore
+                                  job_id, singleton_state)
         if result.status == JobStatus.FAILED:
             # Raises the job's own exception (Hydra writes a line of its own first: not here)
             with contextlib.redirect_stderr(io.StringIO()):
                 _ = result.return_value
-        self._fail_if_recorded(self._run_dir(job_num))
+        self._fail_if_recorded(Path(result.hydra_cfg.hydra.runtime.output_dir))
         return result
 
     @staticmethod
@@ -192,15 +175,10 @@ class JobSide:
         """A job that is this one process (one task) returns NaN when it fails, so that a local
         sweep goes on (app/__main__.py); its task must still exit non-zero for Slurm to mark
         the job FAILED. rank 0 of a job of many tasks raises instead."""
-        import json
-
         from app.env import this_process
         from app.errors import JobFailed
-        from app.reporting.results import RESULT
+        from app.reporting.results import read_result
 
-        record = run_dir / RESULT
-        if this_process().is_rank or not record.is_file():
-            return
-        ended = json.loads(record.read_text())
+        ended = {} if this_process().is_rank else read_result(run_dir)
         if ended.get("status") == "failed":
             raise JobFailed(ended.get("error") or "the job failed")
