@@ -1,9 +1,7 @@
-"""`hydra.launcher.dry_run=true`: what a Slurm submission would ask for, checked against the
-cluster, with nothing submitted: the sbatch script of each array, the arithmetic (nodes x
-tasks, GPUs, CPUs and memory per node, time limit) and every request the cluster cannot
-grant (no such partition, over its time or node limit, more CPUs, memory or GPUs than a node
-has). The module name starts with "_": Hydra's plugin scan skips it.
-"""
+"""What a Slurm submission asks for, checked against the cluster: `hydra.launcher.dry_run=true`
+prints the sbatch script of each array, the arithmetic and every request the cluster cannot
+grant, and submits nothing; a real submission is refused (`refuse_never_runs`) where no node
+could ever run the job, which sbatch accepts and leaves pending forever."""
 
 from __future__ import annotations
 
@@ -13,30 +11,27 @@ from typing import Any
 
 from app import slurm
 
+from . import refuse
+
 
 def arithmetic(params: dict[str, Any], num_jobs: int, arrays: list[int],
                max_num_failures: int) -> list[str]:
     """The resources of one job, and how the sweep is submitted, in plain lines."""
-    nodes, tasks = params["nodes"], params["tasks_per_node"]
-    cpus = (params.get("cpus_per_task") or 1) * tasks
-    gpus = params.get("gpus_per_node") or 0
-    mem = params.get("mem_gb")
-    # (Slurm reads --mem=0 as all of a node's memory)
+    nodes, tasks, per_task = params["nodes"], params["tasks_per_node"], params.get(
+        "cpus_per_task") or 1
+    mem = params.get("mem_gb")  # (Slurm reads --mem=0 as all of a node's memory)
     memory = "the partition default" if mem is None else "all of a node" if mem == 0 else \
         f"{mem} GB"
     sizes = ", ".join(f"{n} of {size}" for size, n in sorted(Counter(arrays).items(),
                                                             reverse=True))
-    lines = [
-        f"each job: {nodes} node(s) x {tasks} task(s) = {nodes * tasks} rank(s); per node "
-        f"{gpus} GPU(s), {cpus} CPU(s) ({params.get('cpus_per_task') or 1} per task), "
-        f"{memory} of memory",
-        f"time limit {params['timeout_min']} min per run; requeued up to "
-        f"{params.get('max_num_timeout', 0)} time(s) at the limit and up to {max_num_failures} "
-        f"time(s) after a fault (it resumes)",
-        f"{num_jobs} job(s) in {len(arrays)} submission(s) ({sizes} job(s)), at most "
-        f"{params.get('array_parallelism', num_jobs)} running at once",
-    ]
-    return lines
+    return [f"each job: {nodes} node(s) x {tasks} task(s) = {nodes * tasks} rank(s); per node "
+            f"{params.get('gpus_per_node') or 0} GPU(s), {per_task * tasks} CPU(s) ({per_task} "
+            f"per task), {memory} of memory",
+            f"time limit {params['timeout_min']} min per run; requeued up to "
+            f"{params.get('max_num_timeout', 0)} time(s) at the limit and up to "
+            f"{max_num_failures} time(s) after a fault (it resumes)",
+            f"{num_jobs} job(s) in {len(arrays)} submission(s) ({sizes} job(s)), at most "
+            f"{params.get('array_parallelism', num_jobs)} running at once"]
 
 
 def invalid(params: dict[str, Any], max_num_failures: int) -> list[str]:
@@ -50,17 +45,15 @@ def invalid(params: dict[str, Any], max_num_failures: int) -> list[str]:
                      f"{timeout} ({timeout * 60} s): the time-limit signal would come as the "
                      f"job starts; raise timeout_min or lower signal_delay_s")
     for key, least in (("mem_gb", 0), ("cpus_per_task", 1), ("max_num_timeout", 0),
-                       ("signal_delay_s", 0)):
-        value = params.get(key)
+                       ("signal_delay_s", 0), ("max_num_failures", 0)):
+        value = max_num_failures if key == "max_num_failures" else params.get(key)
         if value is not None and value < least:
             found.append(f"hydra.launcher.{key}={value}: give {least} or more")
-    if max_num_failures < 0:
-        found.append(f"hydra.launcher.max_num_failures={max_num_failures}: give 0 or more")
     return found
 
 
-def problems(params: dict[str, Any], num_jobs: int) -> list[str]:
-    """What the cluster would refuse or never run; [] when Slurm does not answer (said)."""
+def problems(params: dict[str, Any]) -> list[str]:
+    """What the cluster would refuse or never run."""
     partitions, nodes = slurm.partitions(), slurm.nodes()
     if partitions is None or nodes is None:
         return ["Slurm does not answer here (scontrol failed): nothing could be checked"]
@@ -80,22 +73,31 @@ def problems(params: dict[str, Any], num_jobs: int) -> list[str]:
 def requested(params: dict[str, Any], partitions: dict[str, dict[str, str]]) -> list[str]:
     """The partitions a job asks for: `partition` (a comma-separated list: Slurm runs the job
     in the first that can), or the cluster's default."""
-    given = params.get("partition") or slurm.default_partition(partitions) or ""
+    given = params.get("partition") or next(
+        (name for name, f in partitions.items() if f.get("Default") == "YES"), "")
     return [name.strip() for name in str(given).split(",") if name.strip()]
 
 
-def never_runs(params: dict[str, Any], partitions: dict[str, dict[str, str]],
-               nodes: dict[str, dict[str, str]]) -> list[str] | None:
-    """Why none of the requested partitions could ever run the job, however long it waited
-    ([] when one can; None when a requested partition is not one the cluster has, which
-    sbatch refuses in its own words). sbatch accepts such a job, and it pends forever
-    (PartitionConfig, PartitionNodeLimit, PartitionTimeLimit); the launcher refuses it
-    before submitting."""
-    names = requested(params, partitions)
+def never_runs(params: dict[str, Any], partitions: dict[str, dict[str, str]] | None,
+               nodes: dict[str, dict[str, str]] | None) -> list[str] | None:
+    """Why none of the requested partitions could ever run the job ([] when one can; None when
+    Slurm did not answer, or for a partition the cluster lacks: sbatch refuses that itself)."""
+    names = requested(params, partitions) if partitions and nodes is not None else []
     if not names or any(name not in partitions for name in names):
         return None
     found = [_never_runs_on(params, name, partitions, nodes) for name in names]
     return [] if not all(found) else [line for lines in found for line in lines]
+
+
+def refuse_never_runs(params: dict[str, Any], num_jobs: int) -> None:
+    """Exit 2 before sbatch when the partition could never run the job."""
+    found = never_runs(params, slurm.partitions(), slurm.nodes())
+    if found:
+        one = num_jobs == 1
+        refuse("Slurm would never start %s (%s wait forever): %s. Ask for less or choose "
+               "another hydra.launcher.partition; hydra.launcher.dry_run=true checks a request",
+               "the job" if one else f"the {num_jobs} jobs", "it would" if one else
+               "they would", "; ".join(found))
 
 
 def _never_runs_on(params: dict[str, Any], name: str, partitions: dict[str, dict[str, str]],
@@ -169,33 +171,37 @@ def chunks(nums: list[int], max_array_size: int | None) -> list[list[int]]:
     return [nums[start:start + size] for start in range(0, len(nums), size)]
 
 
-def chained(parts: list[list[int]], cap: int | None) -> bool:
-    """Whether each array waits for the one before it (afterany): when they hold more jobs
-    than array_parallelism, so that the cap holds for the whole sweep, not for each array."""
-    return len(parts) > 1 and cap is not None and sum(map(len, parts)) > cap
+def arrays(nums: list[int], params: dict[str, Any], on_slurm: bool
+           ) -> tuple[list[list[int]], bool, int | None]:
+    """The arrays to submit, whether each waits for the one before it (when they hold more
+    jobs than array_parallelism, so that it caps the whole sweep), and MaxArraySize."""
+    limit = slurm.max_array_size() if on_slurm else None
+    parts, cap = chunks(nums, limit), params.get("array_parallelism")
+    return parts, len(parts) > 1 and cap is not None and len(nums) > cap, limit
+
+
+def after(executor: Any, params: dict[str, Any], previous: str | None) -> None:
+    """The next array waits for array `previous` to end (None: for nothing)."""
+    extra = dict(params.get("additional_parameters") or {})
+    executor.update_parameters(slurm_additional_parameters={
+        **extra, **({"dependency": f"afterany:{previous}"} if previous else {})})
 
 
 def report(executor: Any, params: dict[str, Any], max_num_failures: int,
            overrides: dict[int, list[str]], run_dirs: dict[int, Path], on_slurm: bool,
            batch: int | None = None) -> int:
     """Print the sbatch scripts, the jobs, the arithmetic and the problems found; the exit
-    status (2: a problem, 0: none). `batch`: the sweeper's max_batch_size (it hands the
-    launcher that many jobs at a time)."""
+    status (2: a problem, 0: none). `batch`: the sweeper's max_batch_size."""
     from hydra.core.utils import filter_overrides
 
     from app._private import sbatch_script
     from app.sweeps.dirs import conflicts
 
     nums = sorted(overrides)
-    limit = slurm.max_array_size() if on_slurm else None
-    parts = chunks(nums, limit)
-    chain = chained(parts, params.get("array_parallelism"))
-    extra = dict(params.get("additional_parameters") or {})
+    parts, chain, limit = arrays(nums, params, on_slurm)
     for i, part in enumerate(parts):
         if chain and i > 0:  # (the job id is Slurm's answer to the submission before)
-            executor.update_parameters(slurm_additional_parameters={
-                **extra, "dependency": f"afterany:JOB_ID_OF_JOBS_{parts[i - 1][0]}"
-                                       f"-{parts[i - 1][-1]}"})
+            after(executor, params, f"JOB_ID_OF_JOBS_{parts[i - 1][0]}-{parts[i - 1][-1]}")
         print(f"# sbatch script of jobs #{part[0]}-#{part[-1]} ({len(part)} job(s))"
               if len(part) > 1 else f"# sbatch script of job #{part[0]}")
         print(sbatch_script(executor, len(part)))
@@ -206,8 +212,7 @@ def report(executor: Any, params: dict[str, Any], max_num_failures: int,
         print(line)
     if limit:
         print(f"the cluster's MaxArraySize is {limit}: an array holds at most {limit} jobs")
-    found = invalid(params, max_num_failures)
-    found += problems(params, len(nums)) if on_slurm else []
+    found = invalid(params, max_num_failures) + (problems(params) if on_slurm else [])
     found += conflicts(overrides, run_dirs)
     for problem in found:
         print(f"problem: {problem}")

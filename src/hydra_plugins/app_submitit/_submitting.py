@@ -1,33 +1,27 @@
-"""The submitting side of app's submitit launchers: submit a sweep's jobs as arrays that fit
-the cluster, each recorded as it is submitted, one command per sweep directory at a time,
-following the jobs an earlier submission left queued. A mixin of
-`launcher._AppSubmititLauncher` (its attributes: params, config, composed, jobs, followed,
-in_sbatch, code_snapshot, snapshot_max_mb, wait, _EXECUTOR, _run_dir, _setup_lines).
-The module name starts with "_": Hydra's plugin scan skips it.
-"""
+"""The submission itself, a mixin of `launcher._AppSubmititLauncher`: a sweep's jobs as
+arrays that fit the cluster, each recorded as it is submitted, one command per sweep
+directory at a time, following the jobs an earlier submission left queued."""
 
 from __future__ import annotations
 
-import logging
+import contextlib
+import io
 import sys
 from pathlib import Path
 from typing import Any
 
 from hydra.core.singleton import Singleton
 
+from . import log, refuse
 from ._job import with_job_id
-from ._sbatch import captured_stderr, refusal
-
-log = logging.getLogger("hydra_plugins.app_submitit.launcher")  # (the lines as before)
 
 
 class SubmitSide:
     def _submit(self, submitit: Any, executor: Any, overrides: dict[int, list[str]],
                 sweep_dir: Path) -> dict[int, Any]:
-        """Submit every job that is not still queued or running from an earlier submission of
-        the same sweep directory (those are followed instead); record them all. One command
-        at a time (an OS lock in the sweep directory): a second one submitting there meanwhile
-        would submit the same jobs again; once this one has recorded them, it follows them."""
+        """Submit every job not still queued or running from an earlier submission into the
+        same sweep directory (those are followed); record them all. One command at a time (an
+        OS lock): another one submitting there meanwhile would submit the same jobs again."""
         from app.errors import LockHeld
         from app.launch.run_lock import held_now
 
@@ -35,10 +29,9 @@ class SubmitSide:
             with held_now(sweep_dir / ".submit.lock"):
                 return self._submit_locked(submitit, executor, overrides, sweep_dir)
         except LockHeld as e:
-            log.error("hydra.sweep.dir=%s is being submitted to by another command (%s): run "
-                      "this one again once it has submitted (it then follows the same jobs), "
-                      "or give it another hydra.sweep.dir (nothing was submitted)", sweep_dir, e)
-            sys.exit(2)
+            refuse("hydra.sweep.dir=%s is being submitted to by another command (%s): run this "
+                   "one again once it has submitted (it then follows the same jobs), or give "
+                   "it another hydra.sweep.dir", sweep_dir, e)
 
     def _submit_locked(self, submitit: Any, executor: Any, overrides: dict[int, list[str]],
                        sweep_dir: Path) -> dict[int, Any]:
@@ -49,19 +42,17 @@ class SubmitSide:
         nums = sorted(overrides)
         clashes = conflicts(overrides, {num: self._run_dir(num) for num in nums})
         if clashes:
-            log.error("hydra.sweep.dir=%s was used by a sweep of other values: %s. Its run "
-                      "directories would be resumed as these jobs'; give this sweep a new "
-                      "hydra.sweep.dir (nothing was submitted)", sweep_dir, "; ".join(clashes))
-            sys.exit(2)
+            refuse("hydra.sweep.dir=%s was used by a sweep of other values: %s. Its run "
+                   "directories would be resumed as these jobs'; give this sweep a new "
+                   "hydra.sweep.dir", sweep_dir, "; ".join(clashes))
         jobs = self.jobs = {}  # (this batch's)
         if self._EXECUTOR == "slurm":
             try:
                 record = sweep_record.read(sweep_dir)
             except RecordUnreadable as e:
-                log.error("%s: the jobs of the earlier submission are unknown, and one still "
-                          "queued or running would be submitted again. Check squeue, then "
-                          "move the file aside to submit (nothing was submitted)", e)
-                sys.exit(2)
+                refuse("%s: the jobs of the earlier submission are unknown, and one still "
+                       "queued or running would be submitted again. Check squeue, then move "
+                       "the file aside to submit", e)
             for num, (job_id, state) in sweep_record.standing(record, overrides).items():
                 log.info("job #%d (slurm job %s) is %s from an earlier submission of this "
                          "sweep: not submitted again", num, job_id, state)
@@ -101,8 +92,7 @@ class SubmitSide:
         try:
             snapshot = take(sweep_dir, self.snapshot_max_mb)
         except TooLarge as e:
-            log.error("%s; nothing was submitted", e)
-            sys.exit(2)
+            refuse("%s", e)
         log.info("code snapshot: %d files (%.1f MB) in %s; the jobs and their requeues import "
                  "from it", snapshot.files, snapshot.size / 1e6, snapshot.where)
         executor.update_parameters(slurm_setup=self._setup_lines() + snapshot.setup_lines())
@@ -112,56 +102,46 @@ class SubmitSide:
 
     def _submit_arrays(self, submitit: Any, executor: Any, nums: list[int],
                        overrides: dict[int, list[str]], sweep_dir: Path) -> None:
-        """Submit `nums` as job arrays that fit the cluster's MaxArraySize, each waiting for
-        the one before it where the sweep's array_parallelism asks (_dry_run.chained); each
-        array recorded as it is submitted (into self.jobs, and `_record`)."""
-        from ._dry_run import chained, chunks
+        """Submit `nums` as job arrays that fit the cluster's MaxArraySize (_dry_run.arrays),
+        each recorded as it is submitted (into self.jobs, and `_record`)."""
+        from submitit.core.utils import FailedJobError, FailedSubmissionError
 
-        limit = None
-        if self._EXECUTOR == "slurm" and len(nums) > 1:
-            from app.slurm import max_array_size
+        from ._dry_run import after, arrays
 
-            limit = max_array_size()
-        parts = chunks(nums, limit)
-        chain = chained(parts, self.params.get("array_parallelism"))
-        extra = dict(self.params.get("additional_parameters") or {})
-        previous = None
-        for part in parts:
-            if chain and previous is not None:
-                executor.update_parameters(slurm_additional_parameters={
-                    **extra, "dependency": f"afterany:{previous}"})
-            with captured_stderr(self._EXECUTOR == "slurm") as said:  # (sbatch's lines)
-                self.in_sbatch = True
-                try:
+        parts, chain, _ = arrays(nums, self.params, self._EXECUTOR == "slurm")
+        for i, part in enumerate(parts):
+            if chain and i > 0:
+                after(executor, self.params, self.jobs[parts[i - 1][0]].job_id.split("_")[0])
+            said = io.StringIO()  # (submitit prints sbatch's refusal, and raises with it)
+            self.in_sbatch = True
+            try:
+                with contextlib.redirect_stderr(said):
                     submitted = executor.map_array(
                         self, [overrides[n] for n in part], ["hydra.sweep.dir"] * len(part),
                         part, [f"job_id_for_{n}" for n in part],
                         [Singleton.get_state()] * len(part))
-                except (submitit.core.utils.FailedJobError,
-                        submitit.core.utils.FailedSubmissionError) as e:
-                    refused = e
-                else:
-                    refused = None
-            if refused is not None:
-                self._refused_submission(refused, self.jobs, said)
-            for line in said:  # (sbatch's warnings on a submission it took)
-                print(line, file=sys.stderr)
+            except (FailedJobError, FailedSubmissionError) as e:
+                self._refused_submission(e)
+            sys.stderr.write(said.getvalue())
             self.jobs.update(zip(part, submitted, strict=True))
             self.in_sbatch = False
             self._record(part, overrides, sweep_dir)
-            previous = submitted[0].job_id.split("_")[0]
             if len(parts) > 1:
-                log.info("jobs #%d-#%d: %s job %s", part[0], part[-1], self._EXECUTOR, previous)
+                log.info("jobs #%d-#%d: %s job %s", part[0], part[-1], self._EXECUTOR,
+                         submitted[0].job_id.split("_")[0])
         if chain:
-            executor.update_parameters(slurm_additional_parameters=extra)
+            after(executor, self.params, None)
 
-    def _refused_submission(self, e: Exception, submitted: dict[int, Any],
-                            stderr: list[str]) -> None:
+    def _refused_submission(self, e: Exception) -> None:
         """sbatch refused the job (a partition that does not exist, a limit): its own words
-        in one line (_sbatch.refusal), instead of submitit's traceback and sbatch's lines."""
-        reason = refusal(e, stderr)
-        more = "" if not submitted else (
-            f"; jobs submitted before it go on: {', '.join(j.job_id for j in submitted.values())}")
+        (submitit's error holds its stderr), each line once, in one line."""
+        text = str(e)
+        said = [line.strip().removeprefix("sbatch: error:").strip()
+                for line in text.splitlines() if "sbatch: error" in line]
+        reason = "; ".join(dict.fromkeys(said)) or (text.strip().splitlines()
+                                                     or [type(e).__name__])[0]
+        more = "" if not self.jobs else (
+            f"; jobs submitted before it go on: {', '.join(j.job_id for j in self.jobs.values())}")
         log.error("%s refused the submission: %s (check it first with "
                   "hydra.launcher.dry_run=true)%s", self._EXECUTOR, reason, more)
         sys.exit(1)
