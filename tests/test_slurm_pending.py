@@ -117,17 +117,16 @@ PARAMS = {"nodes": 1, "tasks_per_node": 2, "cpus_per_task": 4, "mem_gb": 16,
           "gpus_per_node": 0, "timeout_min": 60, "partition": "no-such-partition"}
 
 
-def test_a_stuck_job_is_named_once_and_again_when_its_reason_changes(tmp_path, caplog) -> None:
+def test_a_stuck_job_is_named_once_and_again_when_its_reason_changes(caplog) -> None:
+    """(Stuck takes the launch's jobs by Slurm id; it read them from submission.json before.)"""
     from hydra_plugins.app_submitit._pending import Stuck
 
-    (tmp_path / "submission.json").write_text(json.dumps({"jobs": [
-        {"num": 3, "job_id": "7_1", "overrides": [], "run_dir": "x"}]}))
-    stuck, watcher = Stuck(PARAMS, tmp_path), _Watcher()
+    stuck, watcher = Stuck(PARAMS, {"7_0": 2, "7_1": 3}), _Watcher()
     caplog.set_level(logging.INFO, logger="hydra_plugins.app_submitit.launcher")
 
     def check() -> list[str]:
         caplog.clear()
-        stuck.check(watcher, 2, "7_0")
+        stuck.check(watcher)
         return [r.getMessage() for r in caplog.records]
 
     watcher.states = {"7_0": ("PENDING", "Priority"), "7_1": ("PENDING", "None")}

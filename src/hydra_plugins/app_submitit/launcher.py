@@ -1,29 +1,22 @@
-"""hydra-submitit-launcher, extended for app in four ways:
-
-- Submit what was validated: every job's config is composed and validated in the submitting
-  process; one invalid config submits nothing. The composed configs travel with the jobs, so
-  a queued job runs its config as it was at submission even if YAML files change later.
-- Failures are failures: a task whose job raised exits non-zero (the stock launcher returns
-  the error as a value and the task exits 0, leaving Slurm's job COMPLETED), so srun's
-  --kill-on-bad-exit ends its peers at once and Slurm marks the job FAILED; a job of one
-  task, which returns NaN on failure so that local sweeps go on, raises too. The submitting
-  command reports the error instead of a traceback wall.
-- Never waits forever: job states come from squeue where sacct fails (a cluster without
-  accounting), so a job that ends without a result from every task (scancel, a killed task)
-  ends the wait with one line: its state, the task that failed first and why
-  (app.sweeps.job_end). Ctrl-C stops the waiting, not the jobs: one line per job that goes
-  on, with how to watch or cancel it (_job_report.py).
-- Requeue after a checkpoint: app's loop itself handles submitit's requeue signal (see
-  app/training/stop.py), so the stock `checkpoint()` (resubmit with the same arguments) suffices.
+"""hydra-submitit-launcher, extended for app: every job's config is composed and validated
+before anything is submitted, and travels with the job (_job.py); a task whose job raised
+exits non-zero, so that srun ends its peers and Slurm marks the job FAILED; a job that ends
+without a result from every task ends the wait in one line (states from squeue where sacct
+fails: _slurm_states.py); Ctrl-C stops the waiting, not the jobs. Requeues after a time limit
+are submitit's own (the stock `checkpoint`); after a killed task or a failed node, _recover's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
+import os
+import re
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,10 +26,9 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf
 
+from . import log, refuse
 from ._job import JobSide, uses_job_id
 from ._submitting import SubmitSide
-
-log = logging.getLogger(__name__)
 
 # Before the user's `hydra.launcher.setup` lines: srun ends a job's other tasks when one
 # exits non-zero (a failed rank), instead of waiting for them.
@@ -59,13 +51,13 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
                ) -> Sequence[JobReturn]:
         import submitit
 
-        # SIGTERM to the submitting command (a closed session, `kill`) stops it as Ctrl-C does:
-        # one line that says what was submitted, and what goes on.
+        # SIGTERM to the submitting command (a closed session, `kill`) stops it as Ctrl-C does.
         from app.signals import Terminated, exit_on, sigterm_raises
 
+        from ._dry_run import invalid, refuse_never_runs, report
+
         assert self.config is not None
-        # submitit prints its warnings on stdout and on stderr; Hydra's console handler (which
-        # the records reach anyway) is enough in the submitting process.
+        # (submitit's warnings reach Hydra's console handler anyway: not printed twice)
         logging.getLogger("submitit").handlers.clear()
         if not self.wait:
             self._refuse_sweepers_that_need_results()
@@ -82,25 +74,27 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         overrides = {num: list(o) for num, o in zip(nums, job_overrides, strict=True)}
         executor = self._executor(submitit)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        slurm = self._EXECUTOR == "slurm"
         if self.dry_run:
-            self._dry_run(executor, nums, overrides)
-        from ._dry_run import invalid
-
+            sys.exit(report(executor, self.params, self.max_num_failures, overrides,
+                            {num: self._run_dir(num) for num in nums}, slurm,
+                            OmegaConf.select(self.config, "hydra.sweeper.max_batch_size")))
         bad = invalid(self.params, self.max_num_failures)
         if bad:
-            log.error("%s (nothing was submitted)", "; ".join(bad))
-            sys.exit(2)
-        from ._pending import refuse_never_runs
-
-        refuse_never_runs(self._EXECUTOR, self.params, len(nums))  # (no node can: exit 2)
-        mode = self._sweep_mode()
+            refuse("%s", "; ".join(bad))
+        if slurm:
+            refuse_never_runs(self.params, len(nums))
+        mode = self.config.hydra.sweep.get("mode")  # (applied as the stock launcher does)
+        if mode is not None and not re.fullmatch("[0-7]+", str(mode)):
+            refuse("hydra.sweep.mode=%s: give the sweep directory's permissions in octal, as "
+                   "chmod takes them (750)", mode)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         if mode is not None:
-            sweep_dir.chmod(mode)
+            sweep_dir.chmod(int(str(mode), 8))
         log.info("submitit '%s' sweep output dir: %s", self._EXECUTOR, sweep_dir)
         for num in nums:
             log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides[num])))
-        if self._EXECUTOR == "slurm":
+        if slurm:
             from app._private import set_slurm_watcher
 
             from ._slurm_states import SlurmStates
@@ -116,12 +110,14 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
                 log.info("waiting for the results of %s job%s %s (Ctrl-C stops the waiting, "
                          "not the jobs)", self._EXECUTOR, "s" * (len(jobs) > 1),
                          ", ".join(jobs[num].job_id for num in nums))
-                return [self._result(jobs[num], num, overrides[num]) for num in nums]
-        except KeyboardInterrupt as e:
-            if self._EXECUTOR != "slurm":
-                if isinstance(e, Terminated):  # (a Ctrl-C reaches them from the terminal)
-                    import os
+                from ._pending import Stuck
 
+                stuck = Stuck(self.params, {job.job_id: n for n, job in jobs.items()}) \
+                    if slurm else None
+                return [self._result(jobs[num], num, overrides[num], stuck) for num in nums]
+        except KeyboardInterrupt as e:
+            if not slurm:
+                if isinstance(e, Terminated):  # (a Ctrl-C reaches them from the terminal)
                     for job in self.jobs.values():  # a local job's id is its process's pid,
                         # which passes SIGTERM on to its task: it stops at a step and saves
                         with contextlib.suppress(ProcessLookupError):
@@ -131,24 +127,8 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
                 raise  # local jobs are this command's children: they get the Ctrl-C too
             if not self.jobs and not self.in_sbatch:
                 exit_on(e, log.error, "nothing was submitted")
-            from ._job_report import report_left
-
-            report_left(self.jobs, self._run_dir)
+            self._report_left()
             exit_on(e, log.error, "the waiting ended, not the jobs")
-
-    def _sweep_mode(self) -> int | None:
-        """`hydra.sweep.mode` (octal, as the stock launcher applies it to the sweep directory),
-        or exit 2 before anything is submitted."""
-        assert self.config is not None
-        if "mode" not in self.config.hydra.sweep:
-            return None
-        mode = str(self.config.hydra.sweep.mode)
-        try:
-            return int(mode, 8)
-        except ValueError:
-            log.error("hydra.sweep.mode=%s: give the sweep directory's permissions in octal, "
-                      "as chmod takes them (750) (nothing was submitted)", mode)
-            sys.exit(2)
 
     def _executor(self, submitit: Any) -> Any:
         """submitit's executor, set up as in the stock launcher: plugin keys that are not shared
@@ -169,18 +149,16 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         return executor
 
     def _setup_lines(self) -> list[str]:
-        """app's line, then the user's `setup` lines (they add to it, as to nothing in the
-        stock launcher)."""
+        """app's line, then the user's `setup` lines."""
         return [KILL_ON_BAD_EXIT, *(self.params.get("setup") or [])]
 
     def _refuse_sweepers_that_need_results(self) -> None:
         assert self.config is not None
         sweeper = str(OmegaConf.select(self.config, "hydra.sweeper._target_", default=""))
         if sweeper and not sweeper.endswith(".BasicSweeper"):
-            log.error("hydra.launcher.wait=false: the sweeper %s chooses each trial from the "
-                      "results of the others, which a command that does not wait never sees; "
-                      "submit it with wait=true (nothing was submitted)", sweeper)
-            sys.exit(2)
+            refuse("hydra.launcher.wait=false: the sweeper %s chooses each trial from the "
+                   "results of the others, which a command that does not wait never sees; "
+                   "submit it with wait=true", sweeper)
 
     def _detached(self, jobs: dict[int, Any], overrides: dict[int, list[str]],
                   sweep_dir: Path) -> list[JobReturn]:
@@ -196,22 +174,14 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
                  "`python -m app.status %s`, summarise them once they end with "
                  "`python -m app.report %s`, cancel them with `scancel %s`", counted,
                  sweep_dir, sweep_dir, " ".join(ids))
-        returns = []
-        for num in sorted(jobs):
-            ret = JobReturn(overrides=overrides[num], status=JobStatus.COMPLETED,
-                            working_dir=str(self._run_dir(num)))
-            ret.return_value = None  # (not waited for)
-            returns.append(ret)
-        return returns
+        return [self._returned(num, overrides[num], None) for num in sorted(jobs)]
 
-    def _dry_run(self, executor: Any, nums: list[int], overrides: dict[int, list[str]]) -> None:
-        """Print what would be submitted and what the cluster would refuse; exit (0 if it
-        fits, 2 if not) without submitting."""
-        from ._dry_run import report
-
-        sys.exit(report(executor, self.params, self.max_num_failures, overrides,
-                        {num: self._run_dir(num) for num in nums}, self._EXECUTOR == "slurm",
-                        OmegaConf.select(self.config, "hydra.sweeper.max_batch_size")))
+    def _returned(self, num: int, overrides: list[str], value: Any) -> JobReturn:
+        """A result of no job's making: NaN (what sweepers take for a failed trial), or None."""
+        ret = JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
+                        working_dir=str(self._run_dir(num)))
+        ret.return_value = value  # (the public setter: the field is `_return_value`)
+        return ret
 
     def _run_dir(self, num: int) -> Path:
         """Job `num`'s run directory; one named by a job id not given yet (before submission,
@@ -221,17 +191,26 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
             return Path(str(config.hydra.sweep.dir), "(job id)")
         return Path(str(config.hydra.sweep.dir), str(config.hydra.sweep.subdir))
 
-    def _result(self, job: Any, num: int, overrides: list[str]) -> JobReturn:
+    @staticmethod
+    def _wait(job: Any, stuck: Any) -> None:
+        """job.wait(), naming each job of the launch that waits for a person (_pending.py)."""
+        while not job.done():
+            if stuck is not None:
+                stuck.check(job.watcher)  # (the states polled anyway: no call to Slurm)
+            time.sleep(1)
+
+    def _result(self, job: Any, num: int, overrides: list[str], stuck: Any) -> JobReturn:
         from app.sweeps.job_end import describe, outcomes
 
-        from ._pending import wait
+        from ._recover import requeued
 
-        wait(job, num, self)  # as job.wait(), naming a job that waits for a person (_pending)
-        while self._requeued(job):
+        slurm = self._EXECUTOR == "slurm"
+        self._wait(job, stuck)
+        while slurm and self.max_num_failures > 0 and requeued(job):
             log.warning("job #%d (slurm job %s) was requeued after a fault (see its log: %s); "
                         "waiting for it again", num, job.job_id, job.paths.stderr)
-            wait(job, num, self)
-        state = job.state.split()[0].upper() if self._EXECUTOR == "slurm" else ""
+            self._wait(job, stuck)
+        state = job.state.split()[0].upper() if slurm else ""
         # A task that exited 0 wrote its result: a missing one is a slow file system.
         results = outcomes(job, grace_s=15 if state in ("", "COMPLETED") else 0)
         if all(r is not None and r[0] == "success" for r in results):
@@ -248,44 +227,45 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
             task_part = "" if task is None else f", task {task}"
             self._record_end(num, how.lower(), f"slurm job {job.job_id}{task_part}: {what}")
         # Reported here and in the sweep's summary (its summary ends the command non-zero);
-        # the sweep itself goes on, and NaN is what sweepers take for a failed trial.
-        nan = JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
-                        working_dir=str(self._run_dir(num)))
-        nan.return_value = math.nan  # the public setter (the field is `_return_value`)
-        return nan
-
-    def _requeued(self, job: Any) -> bool:
-        """Whether a job seen ended runs again (see _recover.requeued)."""
-        if self._EXECUTOR != "slurm" or self.max_num_failures <= 0:
-            return False
-        from ._recover import requeued
-
-        return requeued(job)
+        # the sweep itself goes on.
+        return self._returned(num, overrides, math.nan)
 
     def _record_end(self, num: int, status: str, error: str) -> None:
-        """Record in the run directory how Slurm ended the job, for the sweep's summary (which
-        lists run directories and fails the command for every job not completed): a task that
-        was killed wrote nothing, and a job cancelled while queued has no directory yet. A
-        final record the job's rank 0 wrote itself (it may be writing it now) is left alone."""
-        import json
-
+        """Record in the run directory how Slurm ended the job, for the sweep's summary: a
+        killed task wrote nothing, and a job cancelled while queued has no directory yet. A
+        final record the job's rank 0 wrote itself (it may be writing it now) is kept."""
         from app.files import write_text_atomically
-        from app.reporting.results import RESULT
+        from app.reporting.results import RESULT, read_result
 
-        run_dir = self._run_dir(num)
-        (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
-        overrides = run_dir / ".hydra" / "overrides.yaml"
-        if not overrides.exists():
-            OmegaConf.save(self.composed[num].hydra.overrides.task, overrides)
-        record = run_dir / RESULT
-        try:
-            earlier = json.loads(record.read_text()) if record.is_file() else {}
-        except (OSError, ValueError):
-            earlier = {}
-        if earlier.get("status") not in (None, "running"):
+        run_dir = self._run_dir(num)  # (its .hydra/ was written at submission: _record)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        earlier = read_result(run_dir)
+        if earlier.get("status") in (None, "running", f"unreadable {RESULT}"):
+            write_text_atomically(run_dir / RESULT, json.dumps({
+                "status": status, "wall_s": earlier.get("wall_s"), "error": error},
+                indent=2) + "\n")
+
+    def _report_left(self) -> None:
+        """After Ctrl-C: the jobs that go on without this command, and how to follow them."""
+        from app.slurm import FINAL
+
+        if not self.jobs:
+            log.error("interrupted while submitting: a job already submitted goes on (list "
+                      "yours with `squeue -u $USER`)")
             return
-        write_text_atomically(record, json.dumps({"status": status, "wall_s": earlier.get(
-            "wall_s"), "error": error}, indent=2) + "\n")
+        with contextlib.suppress(KeyboardInterrupt):  # (a second Ctrl-C: the states known)
+            next(iter(self.jobs.values())).watcher.update()  # (one, shared by every job)
+        for num, job in sorted(self.jobs.items()):
+            state = job.watcher.get_state(job.job_id, mode="cache").split()[0]
+            if state in FINAL or all(job.task(t).paths.result_pickle.exists()
+                                     for t in range(job.num_tasks)):
+                continue
+            now = {"UNKNOWN": "may be queued or running", "PENDING": "is queued (PENDING)"
+                   }.get(state, f"is {state}")
+            log.warning("job #%d (slurm job %s) %s and goes on without this command: watch it "
+                        "with `squeue -j %s` (log: %s), cancel it with `scancel %s`", num,
+                        job.job_id, now, job.job_id, self._run_dir(num) / "train.log",
+                        job.job_id)
 
 
 class AppSlurmLauncher(_AppSubmititLauncher):
