@@ -1,17 +1,12 @@
-"""What Slurm says of jobs and of itself, read from its commands (no submitit): the states
-of jobs (`scontrol show job`, which also lists a job for MinJobAge after its end and counts
-its restarts; `sacct` for older ones where accounting exists) and the cluster's settings
-(`scontrol show config`, `scontrol show partition`).
-
-Every query returns None (or leaves a job out) when Slurm does not answer: the callers fall
-back on what the run directories say.
-"""
+"""What Slurm says of jobs (`scontrol show job`, which lists a job until MinJobAge after its
+end and counts its restarts; `sacct` for older ones where accounting exists) and of itself
+(`scontrol show config`, `partition`, `node`). Every query returns None (or leaves a job out)
+when Slurm does not answer: the callers fall back on what the run directories say."""
 
 from __future__ import annotations
 
-import re
+import dataclasses
 import subprocess
-from dataclasses import dataclass
 
 # The states after which a job never runs again (GONE: ours, the controller no longer lists
 # it). The others (PENDING, RUNNING, REQUEUED, SUSPENDED, PREEMPTED, which a requeue follows,
@@ -21,7 +16,7 @@ FINAL = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL
 TIMEOUT_S = 30  # a Slurm command that takes longer counts as no answer
 
 
-@dataclass
+@dataclasses.dataclass
 class Job:
     """One job (or array task, "ARRAY_TASK") as Slurm lists it."""
 
@@ -53,6 +48,13 @@ def _fields(line: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in line.split() if "=" in item)
 
 
+def _show(kind: str, key: str) -> dict[str, dict[str, str]] | None:
+    """`scontrol show KIND` (job, partition, node): each one's fields by its `key` field."""
+    out = run(["scontrol", "--oneliner", "show", kind])
+    return None if out is None else {
+        f[key]: f for f in map(_fields, out.splitlines()) if key in f}
+
+
 def _task_ids(spec: str) -> list[str]:
     """An array's pending tasks, "0-3,7%2" -> ["0", "1", "2", "3", "7"]."""
     ids: list[str] = []
@@ -66,85 +68,55 @@ def _task_ids(spec: str) -> list[str]:
 def jobs() -> dict[str, Job] | None:
     """Every job the controller lists (queued, running, and ended within MinJobAge), by id:
     "123" for a plain job, "123_4" for task 4 of array 123."""
-    out = run(["scontrol", "--oneliner", "show", "job"])
-    if out is None:
+    listed = _show("job", "JobId")
+    if listed is None:
         return None
     found: dict[str, Job] = {}
-    for line in out.splitlines():
-        f = _fields(line)
-        if "JobId" not in f:
-            continue
+    for f in listed.values():
         job = Job(f["JobId"], f.get("JobState", "UNKNOWN"), f.get("Reason", ""),
                   int(f.get("Restarts", "0") or 0), f.get("NodeList", ""),
                   f.get("ExitCode", ""))
-        array, task = f.get("ArrayJobId"), f.get("ArrayTaskId")
-        if array and task:
-            for one in _task_ids(task):
-                found[f"{array}_{one}"] = Job(f"{array}_{one}", job.state, job.reason,
-                                              job.restarts, job.nodes, job.exit_code)
-        else:
-            found[job.job_id] = job
-    return found
-
-
-def accounted(job_ids: list[str]) -> dict[str, Job]:
-    """The states sacct keeps of jobs the controller forgot (empty without accounting)."""
-    if not job_ids:
-        return {}
-    out = run(["sacct", "--noheader", "--parsable2", "--allocations",
-               "--format=JobID,State,ExitCode,NodeList", f"--jobs={','.join(job_ids)}"])
-    found = {}
-    for line in (out or "").splitlines():
-        parts = line.split("|")
-        if len(parts) == 4 and parts[0]:
-            found[parts[0]] = Job(parts[0], parts[1].split()[0], "", 0, parts[3], parts[2])
+        array, tasks = f.get("ArrayJobId"), f.get("ArrayTaskId")
+        ids = [f"{array}_{task}" for task in _task_ids(tasks)] if array and tasks else [
+            job.job_id]
+        found |= {one: dataclasses.replace(job, job_id=one) for one in ids}
     return found
 
 
 def states(job_ids: list[str]) -> dict[str, Job] | None:
     """The jobs `job_ids` as Slurm knows them: None when Slurm does not answer; a job it no
-    longer lists anywhere is GONE (it ended)."""
-    listed = jobs()
-    if listed is None:
+    longer lists anywhere (nor sacct, where there is accounting) is GONE: it ended."""
+    known = jobs()
+    if known is None:
         return None
-    known = {j: listed[j] for j in job_ids if j in listed}
-    known |= accounted([j for j in job_ids if j not in known])
-    return {j: known.get(j, Job(j, "GONE")) for j in job_ids}
-
-
-def config() -> dict[str, str]:
-    """`scontrol show config` as KEY -> value (empty when Slurm does not answer)."""
-    out = run(["scontrol", "show", "config"])
-    found = {}
+    forgotten = [j for j in job_ids if j not in known]
+    out = run(["sacct", "--noheader", "--parsable2", "--allocations",
+               "--format=JobID,State,ExitCode,NodeList", f"--jobs={','.join(forgotten)}"]
+              ) if forgotten else None
     for line in (out or "").splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            found[key.strip()] = value.strip()
-    return found
+        parts = line.split("|")
+        if len(parts) == 4 and parts[0]:
+            known[parts[0]] = Job(parts[0], parts[1].split()[0], "", 0, parts[3], parts[2])
+    return {j: known.get(j, Job(j, "GONE")) for j in job_ids}
 
 
 def max_array_size() -> int | None:
     """MaxArraySize: an array's task ids must be below it (None: Slurm did not say)."""
-    value = config().get("MaxArraySize", "")
-    return int(value) if value.isdigit() else None
+    for line in (run(["scontrol", "show", "config"]) or "").splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "MaxArraySize" and value.strip().isdigit():
+            return int(value)
+    return None
 
 
 def partitions() -> dict[str, dict[str, str]] | None:
-    """Each partition's settings (MaxTime, MaxNodes, TotalNodes, State ...); None when Slurm
-    does not answer."""
-    out = run(["scontrol", "--oneliner", "show", "partition"])
-    if out is None:
-        return None
-    found = {}
-    for line in out.splitlines():
-        f = _fields(line)
-        if "PartitionName" in f:
-            found[f["PartitionName"]] = f
-    return found
+    """Each partition's settings (MaxTime, MaxNodes, TotalNodes, State ...)."""
+    return _show("partition", "PartitionName")
 
 
-def default_partition(found: dict[str, dict[str, str]]) -> str | None:
-    return next((name for name, f in found.items() if f.get("Default") == "YES"), None)
+def nodes() -> dict[str, dict[str, str]] | None:
+    """Each node's settings (CPUTot, RealMemory, Gres, Partitions, State ...)."""
+    return _show("node", "NodeName")
 
 
 def minutes(limit: str) -> float | None:
@@ -153,22 +125,9 @@ def minutes(limit: str) -> float | None:
     if not limit or limit in ("UNLIMITED", "INFINITE", "NONE"):
         return None
     days, _, rest = limit.rpartition("-")
-    parts = [int(p) for p in re.split(r":", rest)]
-    if len(parts) == 1:  # minutes
-        total = parts[0]
-    else:
-        parts = ([0] * (3 - len(parts))) + parts  # h:m:s
-        total = parts[0] * 60 + parts[1] + parts[2] / 60
-    return total + (int(days) * 1440 if days else 0)
-
-
-def nodes() -> dict[str, dict[str, str]] | None:
-    """Each node's settings (CPUTot, RealMemory, Gres, Partitions, State ...); None when
-    Slurm does not answer."""
-    out = run(["scontrol", "--oneliner", "show", "node"])
-    if out is None:
-        return None
-    return {f["NodeName"]: f for f in map(_fields, out.splitlines()) if "NodeName" in f}
+    parts = [int(p) for p in rest.split(":")]
+    hours, mins, secs = ([0] * (3 - len(parts)) + parts) if len(parts) > 1 else (0, parts[0], 0)
+    return int(days or 0) * 1440 + hours * 60 + mins + secs / 60
 
 
 def gpus(gres: str) -> int:
