@@ -4,6 +4,9 @@ linear model without a training run."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +15,8 @@ from app.callbacks import Callbacks
 from app.checkpoint import layout, restore
 from app.checkpoint.layout import FORMAT_VERSION, TrainedAt
 from app.checkpoint.manager import CheckpointManager
+from app.checkpoint.rng import RandomStates
+from app.checkpoint.sharded import OptimizerState, Weights
 from app.data import DataModule
 from app.errors import UserError
 from app.training.ema import ModelEMA
@@ -39,6 +44,7 @@ class _Data(DataModule):
 
 def _parts(run_dir, cfg, ema: bool = False, seed: int = 0
            ) -> tuple[CheckpointManager, TrainStep, LoopState]:
+    """The parts the training loop gives the manager, by the names of their entries."""
     torch.manual_seed(seed)
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -46,8 +52,10 @@ def _parts(run_dir, cfg, ema: bool = False, seed: int = 0
     step = TrainStep(model, model, optimizer, scheduler, torch.device("cpu"), "32", None,
                      ModelEMA(model, 0.9, 1) if ema else None)
     loop = LoopState()
-    return (CheckpointManager(run_dir / "checkpoints", cfg, step, loop, Callbacks({}), _Data()),
-            step, loop)
+    parts = {"model": Weights(model), "optimizer": OptimizerState(model, optimizer),
+             "scheduler": scheduler, "train_step": step, "loop": loop,
+             "callbacks": Callbacks({}), "data": _Data(), "rng": RandomStates()}
+    return CheckpointManager(run_dir / "checkpoints", cfg, parts), step, loop
 
 
 def _config(*overrides: str):
@@ -68,7 +76,7 @@ def _saved(tmp_path, ema: bool = False) -> tuple[dict, TrainStep]:
 
 def test_a_save_writes_the_layout_with_its_format_version(tmp_path) -> None:
     state, _ = _saved(tmp_path)
-    assert list(state) == LAYOUT
+    assert sorted(state) == sorted(LAYOUT)
     assert state["format"] == FORMAT_VERSION
     assert state["loop"] == {"step": 7, "epoch": 2, "batch": 1, "stopped_early": None}
     assert (state["best"], state["is_best"]) == (0.25, True)
@@ -79,10 +87,10 @@ def test_a_save_writes_the_layout_with_its_format_version(tmp_path) -> None:
 def test_a_resume_restores_the_loop_and_every_part(tmp_path) -> None:
     state, trained = _saved(tmp_path)
     checkpoints, step, loop = _parts(tmp_path, _config("resume=auto"), seed=1)
-    checkpoints.data.learnt = {}
+    checkpoints.states["data"].learnt = {}
     checkpoints.restore()
     assert checkpoints.resumed_from == tmp_path / "checkpoints" / "last.pt"
-    assert checkpoints.data.learnt == {"mean": [0.5]}
+    assert checkpoints.states["data"].learnt == {"mean": [0.5]}
     assert (loop.step, loop.epoch, loop.batch_in_epoch, loop.best) == (7, 2, 1, 0.25)
     assert torch.equal(step.model.weight, trained.model.weight)
     assert step.optimizer.state_dict()["state"].keys() == state["optimizer"]["state"].keys()
@@ -109,6 +117,50 @@ def test_a_file_without_a_format_version_has_the_current_layout(tmp_path) -> Non
     checkpoints, step, loop = _parts(tmp_path, _config(f"resume={path}"), seed=1)
     checkpoints.restore()
     assert loop.step == 7 and torch.equal(step.model.weight, trained.model.weight)
+
+
+def test_the_optimizer_is_saved_numbered_as_every_earlier_version_saved_it(tmp_path) -> None:
+    """The parts give their states by name (the optimizer's through torch's
+    get_optimizer_state_dict); a file keeps the layout of format 1: `Optimizer.state_dict()`'s
+    numbered state and the names in its order, so the files of earlier versions still load."""
+    state, trained = _saved(tmp_path)
+    numbered = trained.optimizer.state_dict()
+    assert state["optimizer"]["param_groups"] == numbered["param_groups"]
+    assert state["optimizer"]["state"].keys() == numbered["state"].keys() == {0, 1}
+    assert torch.equal(state["optimizer"]["state"][0]["momentum_buffer"],
+                       numbered["state"][0]["momentum_buffer"])
+    assert state["param_names"] == ["weight", "bias"]
+
+
+def test_a_file_of_the_oldest_layout_resumes(tmp_path) -> None:
+    """A file written before checkpoints carried a format, the data's and the train step's
+    states, the callbacks', the trackers and the parameters' names: every part resumes."""
+    state, trained = _saved(tmp_path)
+    for key in ("format", "data", "train_step", "callbacks", "trackers", "param_names"):
+        del state[key]
+    path = tmp_path / "oldest.pt"
+    torch.save(state, path)
+    checkpoints, step, loop = _parts(tmp_path, _config(f"resume={path}"), ema=True, seed=1)
+    checkpoints.restore()
+    assert (loop.step, loop.epoch, loop.batch_in_epoch, loop.best) == (7, 2, 1, 0.25)
+    assert torch.equal(step.model.weight, trained.model.weight)
+    assert torch.equal(step.ema.module.weight, trained.model.weight)  # (it had no EMA)
+    momentum = step.optimizer.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(momentum, state["optimizer"]["state"][0]["momentum_buffer"])
+    assert step.scheduler.state_dict() == trained.scheduler.state_dict()
+
+
+def test_a_part_whose_state_does_not_fit_is_one_line_naming_it(tmp_path) -> None:
+    state, _ = _saved(tmp_path)
+    groups = state["optimizer"]["param_groups"]
+    groups.append({**groups[0], "params": []})  # (another parameter group)
+    path = tmp_path / "other.pt"
+    torch.save(state, path)
+    checkpoints, _, _ = _parts(tmp_path, _config(f"resume={path}"))
+    with pytest.raises(UserError, match="its optimizer state does not fit this run .*"
+                                        "parameter groups.*ckpt=") as err:
+        checkpoints.restore()
+    assert "\n" not in str(err.value)
 
 
 def test_a_newer_format_is_refused_naming_it(tmp_path) -> None:
@@ -150,3 +202,13 @@ def test_fine_tuning_loads_the_weights_only_and_starts_the_ema_from_them(tmp_pat
     assert torch.equal(step.model.weight, trained.model.weight)
     assert torch.equal(step.ema.module.weight, trained.model.weight)
     assert not step.optimizer.state_dict()["state"]  # a new schedule: no optimizer state
+
+
+def test_the_checkpoint_package_knows_the_parts_by_name_only() -> None:
+    """The manager holds the run's parts by name (the loop builds the mapping): nothing in
+    app.checkpoint imports app.training, not even for annotations."""
+    package = Path(__file__).resolve().parents[1] / "src" / "app" / "checkpoint"
+    imported = {(path.name, node.module) for path in package.glob("*.py")
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.module}
+    assert [(f, m) for f, m in imported if m.startswith(("app.training", "app.callbacks"))] == []

@@ -1,15 +1,15 @@
-"""The checkpoint's layout, in one place: its keys, its format version, the check of a loaded
-checkpoint's structure, reading one (a file or a sharded directory), and finding the one a
-run directory resumes from. Nothing else in app spells out a checkpoint's keys; file I/O
-(`io`: atomic writes, links, pruning), the sharded format (`sharded`) and the background
-writer (`writer`) sit below; loading into a model and optimizer is `restore`'s, a training
-run's saves and restores `manager`'s.
+"""The checkpoint's layout, in one place: its entries, its format version, the check of a
+loaded checkpoint's structure, reading one (a file or a sharded directory), and finding the one
+a run directory resumes from. File I/O (`io`: atomic writes, links, pruning), the sharded format
+(`sharded`) and the background writer (`writer`) sit below; a training run's saves and
+restores are `manager`'s, which holds the run's parts by the names of their entries here.
 
 One file holds a plain dict:
 
     format        FORMAT_VERSION (a file without it has the layout of version 1)
     model         the unwrapped model's state dict
-    optimizer, scheduler          their state dicts
+    optimizer     its state dict, numbered as `Optimizer.state_dict()` numbers it
+    scheduler     its state dict
     train_step    {scaler, ema: {module, updates} or None, skipped}
     loop          {step, epoch, batch (in the epoch), stopped_early}
     callbacks     {name: state dict} of the callbacks that keep state
@@ -25,9 +25,8 @@ One file holds a plain dict:
 Under `distributed.strategy=fsdp` a checkpoint is a directory of the same name, written by
 every rank (app.checkpoint.sharded): the same entries, the tensors of model, optimizer (keyed
 by parameter name) and EMA in shards. Every reader takes either kind, whatever the run's
-strategy: a sharded model resumes a sharded checkpoint shard by shard
-(`manager.CheckpointManager`, on any number of ranks), everything else reads it whole
-(`sharded.read_full`).
+strategy: a resume reads a sharded checkpoint's tensors into the run's own, on any number of
+ranks (`manager`); everything else reads it whole (`sharded.read_full`).
 """
 
 from __future__ import annotations
@@ -61,24 +60,19 @@ class TrainedAt(NamedTuple):
 
 # ---- reading and checking a file -------------------------------------------------------------
 
-def load(path: str | Path, resume: bool = False, tensors: bool = True) -> dict[str, Any]:
+def load(path: str | Path, resume: bool = False) -> dict[str, Any]:
     """Read a checkpoint, a file or a sharded directory, and check its structure (`check`): a
     user-facing error if it is not one, or (with `resume`) not one a run can resume from.
-    `tensors=False`: a sharded checkpoint's tensors are left on disk (its model, optimizer
-    and EMA entries are empty here; a sharded model reads its own shards, `_load_shards`)."""
+    With `resume`, a sharded checkpoint's tensors stay on disk (its model, optimizer and EMA
+    entries are empty here): the resume reads them into the run's own (`manager`)."""
     path = Path(path)
     if not sharded.is_sharded(path):
         state = io.read(path)
-    elif tensors:
-        state = sharded.read_full(path)
+    elif resume:  # (empty stand-ins for what the shards hold: the checks see it there)
+        stand_ins = dict.fromkeys(sharded.tensor_groups(path), {})
+        state = sharded.join(sharded.read_meta(path), stand_ins)
     else:
-        state = sharded.read_meta(path)
-        # (Empty stand-ins for what the shards hold, so that the checks below see it there.)
-        for key in sharded.tensor_groups(path) & {"model", "optimizer"}:
-            state[key] = {}
-        ema = (state.get("train_step") or {}).get("ema")
-        if isinstance(ema, dict):
-            state["train_step"]["ema"] = {**ema, "module": {}}
+        state = sharded.read_full(path)
     check(state, path, resume)
     return state
 
@@ -151,6 +145,26 @@ def check(state: Any, path: Path, resume: bool = False) -> None:
                        else "") + ": a damaged checkpoint")
 
 
+def entries(parts: dict[str, Any], file: bool) -> dict[str, Any]:
+    """The states of a run's parts (by name) as the checkpoint's entries: the loop's best an
+    entry of its own; the optimizer's parameter names listed, and its state numbered in a
+    `file` (by name in shards)."""
+    loop, optimizer = parts["loop"], parts["optimizer"]
+    state = {**parts, "loop": {k: v for k, v in loop.items() if k != "best"},
+             "best": loop["best"]}
+    state["param_names"] = [n for group in optimizer["param_groups"] for n in group["params"]]
+    if file:
+        state["optimizer"] = sharded.optimizer_by_ids(optimizer)
+    return state
+
+
+def part(state: dict[str, Any], name: str) -> Any:
+    """The other way: the state of the part `name` (empty where an older file has none)."""
+    if name == "loop":
+        return {**state["loop"], "best": state["best"]}
+    return state.get(name) or {}
+
+
 def trained_at(state: dict[str, Any]) -> TrainedAt:
     loop = state.get("loop") or {}  # a weights-only file (no loop record) has none
     return TrainedAt(loop.get("step", 0), loop.get("epoch", 0))
@@ -164,12 +178,11 @@ def inference_weights(state: dict[str, Any]) -> dict[str, Any]:
 
 # ---- a run directory's checkpoints -----------------------------------------------------------
 
-def latest_valid(directory: Path, tensors: bool = True
-                 ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint of a run directory that loads: last.pt, else the periodic ones,
-    newest first; each that does not load is named in a warning. None when there is no
-    checkpoint at all; an error when there are some and none loads (a run is never silently
-    started afresh over checkpoints that exist). `tensors`: as for `load`."""
+def latest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint of a run directory that loads (`load` for a resume): last.pt,
+    else the periodic ones, newest first; each that does not load is named in a warning. None
+    when there is no checkpoint at all; an error when there are some and none loads (a run is
+    never silently started afresh over checkpoints that exist)."""
     candidates = [directory / "last.pt", *sorted(directory.glob("step-*.pt"), reverse=True)]
     bad = []
     for path in (c for c in candidates if c.exists()):
@@ -179,7 +192,7 @@ def latest_valid(directory: Path, tensors: bool = True
             bad.append(f"{path.name}: no index")
             continue
         try:
-            return path, load(path, resume=True, tensors=tensors)
+            return path, load(path, resume=True)
         except UserError as e:
             reason = str(e).removeprefix(f"checkpoint {path}: ")
             log.warning("resume: skipping %s: %s", path, reason)

@@ -1,6 +1,6 @@
-"""Loading a checkpoint's state into live objects: a model (sharded by FSDP or not), an
-optimizer, and the weights and data state that inference uses. What a checkpoint holds and
-its checks are app.checkpoint.layout's."""
+"""A checkpoint's weights against a model: every mismatch named, or the weights that fit
+loaded; the optimizer it was trained with; the weights and data state that inference uses.
+What a checkpoint holds and its checks are app.checkpoint.layout's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from app.checkpoint import sharded
 from app.checkpoint.layout import TrainedAt, inference_weights, load, shape, trained_at
 from app.errors import UserError
 
@@ -31,17 +30,24 @@ def load_for_inference(model: torch.nn.Module, data: DataModule, path: str | Pat
     return trained_at(state)
 
 
-def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str | Path,
-                       strict: bool = True, weights: dict[str, Any] | None = None,
-                       fine_tuning: bool = False) -> None:
-    """Load a checkpoint's model weights, naming every mismatch if they do not fit.
+def load_model_weights(model: Any, state: dict[str, Any], path: str | Path, strict: bool = True,
+                       weights: dict[str, Any] | None = None, fine_tuning: bool = False) -> None:
+    """Load a checkpoint's model weights into `model` (a module, or a part such as
+    app.checkpoint.sharded.Weights), naming every mismatch if they do not fit (`fitting`)."""
+    theirs = state["model"] if weights is None else weights
+    model.load_state_dict(fitting(model.state_dict(), theirs, state, path, strict, fine_tuning),
+                          strict=strict)
 
-    `strict=False` (fine-tuning a changed model): load the weights whose names and shapes
-    match and report the others. `fine_tuning`: the load is `ckpt=` of training, where
+
+def fitting(ours: dict[str, Any], theirs: dict[str, Any], state: dict[str, Any],
+            path: str | Path, strict: bool = True, fine_tuning: bool = False) -> dict[str, Any]:
+    """The weights `theirs` of a checkpoint (`state`) that fit a model's, `ours`: all of them,
+    or an error naming every mismatch.
+
+    `strict=False` (fine-tuning a changed model): the weights whose names and shapes match,
+    the others reported. `fine_tuning`: the load is `ckpt=` of training, where
     `ckpt_strict=false` is the way to a changed model, so a mismatch points to it.
     """
-    ours = model.state_dict()
-    theirs = state["model"] if weights is None else weights
     missing = sorted(set(ours) - set(theirs))
     unexpected = sorted(set(theirs) - set(ours))
     wrong_shape = [
@@ -50,13 +56,11 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
         if shape(theirs[k]) != shape(ours[k])
     ]
     if not strict:
-        fitting = {k: v for k, v in theirs.items() if k in ours and shape(v) == shape(ours[k])}
-        loaded = len(fitting)  # (a sharded model's load fills the dict in)
-        sharded.load_full_weights(model, fitting, strict=False)
+        fits = {k: v for k, v in theirs.items() if k in ours and shape(v) == shape(ours[k])}
         skipped = missing + unexpected + wrong_shape
-        log.info("loaded %d of %d weights from %s%s", loaded, len(ours), path,
+        log.info("loaded %d of %d weights from %s%s", len(fits), len(ours), path,
                  f"; skipped: {', '.join(skipped)}" if skipped else "")
-        return
+        return fits
     if missing or unexpected or wrong_shape:
         config = state.get("config") or {}
         trained = f"model={config.get('model') or {}}"
@@ -80,7 +84,7 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
             f"checkpoint {path} does not match the model ({'; '.join(parts)}). "
             f"It was trained with {trained}; {advice}"
         )
-    sharded.load_full_weights(model, theirs)
+    return theirs
 
 
 def check_same_optimizer(state: dict[str, Any], path: str | Path, current: dict[str, Any]
@@ -92,19 +96,3 @@ def check_same_optimizer(state: dict[str, Any], path: str | Path, current: dict[
             f"checkpoint {path} was trained with optimizer {trained}, this run has "
             f"{current.get('_target_')}: resume with the same optimizer, or start a new "
             f"schedule from its weights with ckpt={path} resume=null")
-
-
-def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                         state: dict[str, Any], path: str | Path, current: dict[str, Any]
-                         ) -> None:
-    """Resume the optimizer; a checkpoint of another optimizer is an error naming both."""
-    check_same_optimizer(state, path, current)
-    trained = (state.get("config") or {}).get("optimizer") or {}
-    try:
-        sharded.load_full_optimizer(model, optimizer, state["optimizer"])
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise UserError(
-            f"checkpoint {path}: its optimizer state does not fit this run's optimizer ({e}). "
-            f"It was trained with optimizer={trained}, this run has optimizer={dict(current)}; "
-            f"resume with the same settings, or start a new schedule from its weights with "
-            f"ckpt={path} resume=null") from e

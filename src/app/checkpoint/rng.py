@@ -3,11 +3,31 @@ for each rank, so that a resumed run draws what the uninterrupted one would have
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
 import numpy as np
 import torch
+
+from app import dist
+
+log = logging.getLogger(__name__)
+
+
+class RandomStates:
+    """The part of a checkpoint (torch's Stateful) that holds every rank's generators, by
+    rank: `state_dict` gathers them (every rank calls it), a load sets this rank's."""
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return dist.all_gather_object(rng_state())
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        if len(states) == dist.world_size():
+            set_rng_state(states[dist.rank()])
+        else:
+            log.warning("checkpoint has random states of %d ranks, this run has %d: the run "
+                        "continues, but not bit-identically", len(states), dist.world_size())
 
 
 def rng_state() -> dict[str, Any]:

@@ -4,7 +4,7 @@ every rank at once with torch.distributed.checkpoint (DCP), each rank its own sh
     step-00000100.pt/      a checkpoint (a directory under the name a file would have, as
         .metadata          Lightning names its sharded checkpoints): DCP's index, written last
         __R_0.distcp       rank R's shards of the tensors: model, optimizer, ema
-        meta.pt            everything else of the single-file layout (app.checkpoint.manager),
+        meta.pt            everything else of the single-file layout (app.checkpoint.layout),
                            plain values, written by rank 0
     last.pt, best.pt       symbolic links to a step directory
     .step-00000100.pt.tmp/ a checkpoint being written: never read, removed by pruning
@@ -288,17 +288,9 @@ def optimizer_by_names(state: dict[str, Any], names: list[str]) -> dict[str, Any
 
 def read_full(path: str | Path) -> dict[str, Any]:
     """A sharded checkpoint in the single-file layout, its tensors whole."""
-    path = Path(path)
-    meta = read_meta(path)
-    tensors = read_tensors(path)
-    state = dict(meta)
-    state["model"] = tensors.get("model", {})
-    if "optimizer" in tensors:
-        state["optimizer"] = optimizer_by_ids(tensors["optimizer"])
-    train_step = dict(meta.get("train_step") or {})
-    if train_step.get("ema") is not None and "ema" in tensors:
-        train_step["ema"] = {**train_step["ema"], "module": tensors["ema"]}
-    state["train_step"] = train_step
+    state = join(read_meta(path), read_tensors(path))
+    if "optimizer" in state:
+        state["optimizer"] = optimizer_by_ids(state["optimizer"])
     return state
 
 
@@ -318,7 +310,17 @@ def split(state: dict[str, Any], param_names: list[str] | None = None) -> tuple[
     return tensors, meta
 
 
-# ---- models, sharded by FSDP2 or not ---------------------------------------------------------
+def join(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """The other way: a sharded checkpoint's entries as one state (its optimizer's keyed by
+    parameter name)."""
+    state = {**meta, **{k: v for k, v in tensors.items() if k != "ema"}}
+    ema = (meta.get("train_step") or {}).get("ema")
+    if isinstance(ema, dict) and "ema" in tensors:
+        state["train_step"] = {**meta["train_step"], "ema": {**ema, "module": tensors["ema"]}}
+    return state
+
+
+# ---- the parts that hold a model's tensors, sharded by FSDP2 or not --------------------------
 
 def model_is_sharded(model: nn.Module) -> bool:
     """Whether `model` is sharded by FSDP2 (its parameters are DTensors)."""
@@ -327,9 +329,19 @@ def model_is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def load_full_weights(module: nn.Module, weights: dict[str, Any], strict: bool = True) -> None:
-    """Whole tensors (a single-file checkpoint's) into `module`, sharded or not."""
-    if not model_is_sharded(module):
+def _sharded(state: Any) -> bool:
+    """Whether a state dict holds DTensors (shards read for this run), not whole tensors."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return any(_sharded(v) for v in state.values())
+    return isinstance(state, DTensor)
+
+
+def load_weights(module: nn.Module, weights: dict[str, Any], strict: bool = True) -> None:
+    """Weights into `module`: whole tensors (a file's) into a model sharded or not; a sharded
+    checkpoint's DTensors into the model they were read for."""
+    if not model_is_sharded(module) or _sharded(weights):
         module.load_state_dict(weights, strict=strict)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -338,21 +350,50 @@ def load_full_weights(module: nn.Module, weights: dict[str, Any], strict: bool =
                          options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
-def param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The names of the optimizer's parameters, in its order (that of its state's numbers)."""
-    names = {p: n for n, p in model.named_parameters()}
-    return [names[p] for group in optimizer.param_groups for p in group["params"]]
+class Weights:
+    """A model as a part of the checkpoint (torch's Stateful): `load_weights` on load."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def load_state_dict(self, weights: dict[str, Any], strict: bool = True) -> None:
+        load_weights(self.module, weights, strict)
 
 
-def load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
-                        state: dict[str, Any]) -> None:
-    """A whole optimizer state (`Optimizer.state_dict()`'s numbered layout) into `optimizer`,
-    over `model` sharded or not."""
-    if not model_is_sharded(model):
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+class OptimizerState:
+    """An optimizer as a part of the checkpoint (torch's Stateful): its state keyed by
+    parameter name (a file numbers it: `optimizer_by_ids`), through torch's
+    get/set_optimizer_state_dict when the model is sharded. A numbered state loads too."""
 
-    set_optimizer_state_dict(model, optimizer,
-                             optimizer_by_names(state, param_names(model, optimizer)),
-                             options=StateDictOptions(full_state_dict=True))
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.sharded = model_is_sharded(model)
+        names = {p: n for n, p in model.named_parameters()}  # (in the optimizer's order:)
+        self.names = [names[p] for group in optimizer.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """By name. torch's helper gives an optimizer without state yet (a resume's, whose
+        state is read into this one) a state to fill, with a step of learning rate 0; for a
+        model that is not sharded, an optimizer with state gives the same for less."""
+        if not self.sharded and self.optimizer.state:  # (the helper costs ~25 ms a save)
+            return optimizer_by_names(self.optimizer.state_dict(), self.names)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.sharded:  # (by position, whether numbered or named)
+            self.optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        if all(isinstance(i, int) for g in state["param_groups"] for i in g["params"]):
+            state = optimizer_by_names(state, self.names)  # (a file's, numbered)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(
+            full_state_dict=not _sharded(state)))

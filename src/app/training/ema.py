@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.checkpoint.sharded import load_full_weights
+from app.checkpoint.sharded import load_weights
 
 
 class ModelEMA:
@@ -36,8 +36,5 @@ class ModelEMA:
         return {"module": self.module.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """`state["module"]` empty: the weights were loaded already (a sharded checkpoint's,
-        shard by shard), the count only is taken."""
-        if state["module"]:
-            load_full_weights(self.module, state["module"])
+        load_weights(self.module, state["module"])
         self.updates = state["updates"]

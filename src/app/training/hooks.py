@@ -146,7 +146,8 @@ class Callbacks:
         return bool(self.named)
 
     def state_dict(self) -> dict[str, Any]:
-        return {n: c.state_dict() for n, c in self._with_state.items()}
+        """Rank 0's (the checkpoint's parts are taken on every rank; rank 0 writes them)."""
+        return {n: c.state_dict() for n, c in self._with_state.items()} if dist.is_main() else {}
 
     def load_state_dict(self, states: dict[str, Any]) -> None:
         for name, callback in self._with_state.items():

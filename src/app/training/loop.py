@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader
 
 from app import dist, progress
 from app.checkpoint.manager import CheckpointManager
+from app.checkpoint.rng import RandomStates
+from app.checkpoint.sharded import OptimizerState, Weights
 from app.config import AppConfig
 from app.data import DataModule
 from app.errors import Interrupted, UserError
@@ -86,8 +88,13 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
               global_batch=global_batch, total_steps=total_steps, state=state)
     progress.follow(run)  # the stall watchdog names run.step
 
-    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg, train_step, state, callbacks,
-                                    data)
+    # What a checkpoint holds, by name (loaded in this order: the random states last).
+    parts = {"model": Weights(model), "optimizer": OptimizerState(model, optimizer),
+             "scheduler": scheduler, "train_step": train_step, "loop": state,
+             "callbacks": callbacks, "data": data, "rng": RandomStates()}
+    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg, parts,
+                                    changed_only_by_step=train_step.changed_only_by_step)
+    train_step.before_update = checkpoints.hold_until_copied  # (the background copy first)
     checkpoints.restore()  # resume=, or the weights of ckpt=, or nothing
     if checkpoints.resumed_from is not None and finished(state, t):  # a re-run sweep job
         log.info("already finished at step %d%s: nothing to train", state.step,

@@ -121,18 +121,31 @@ class TrainStep:
             self.ema.update(self.model)
         return total
 
+    def changed_only_by_step(self) -> list[torch.Tensor]:
+        """The tensors that nothing but the update (optimizer step, EMA) changes: the weights,
+        the optimizer's state, the EMA's; not buffers (a forward changes them). A checkpoint
+        copies them in the background until `before_update`."""
+        tensors = list(self.model.parameters())
+        tensors += [v for s in self.optimizer.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor)]
+        if self.ema is not None:
+            tensors += list(self.ema.module.state_dict().values())
+        return tensors
+
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict() if self.scaler else None,
                 "ema": self.ema.state_dict() if self.ema else None, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`{}`: a checkpoint without the train step's state, or a fine-tune's new start
+        from the model's weights (the EMA starts from them)."""
         self.skipped = state.get("skipped", 0)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None:
             if state.get("ema"):
                 self.ema.load_state_dict(state["ema"])
-            else:  # resuming a run that had no EMA: start the average from here
+            else:  # a run that had no EMA (or a fine-tune): the average starts here
                 self.ema.module.load_state_dict(self.model.state_dict())
 
 
