@@ -7,8 +7,8 @@ moment leaves the previous file under each name intact. `last.pt` is named befor
 and each checkpoint records whether it was the best: a crash between the two names leaves a
 `last.pt` that says so, and a resume names it `best.pt` (`layout.repair_names`).
 
-This module knows files, not what a checkpoint holds: its keys, the check of a loaded file's
-structure and every restore are `app.checkpoint.manager`'s.
+This module knows files, not what a checkpoint holds: its keys and the check of a loaded file's
+structure are `app.checkpoint.layout`'s; every restore is `app.checkpoint.manager`'s.
 """
 
 from __future__ import annotations
@@ -37,14 +37,24 @@ def save(state: dict[str, Any], path: Path) -> None:
         put(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        # A full or read-only disk, a quota, a file size limit: the user's to fix. (torch.save
-        # reports a failed write as a RuntimeError from its zip writer.)
-        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "unexpected pos" in str(e)):
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else \
-                "a write failed: is the disk full?"
-            raise AppError(f"checkpoint {path} could not be written ({reason}); the "
-                           f"checkpoints already on disk are intact") from e
+        if reason(e) is not None:
+            raise not_written(path, reason(e)) from e
         raise
+
+
+def reason(e: BaseException) -> str | None:
+    """Why a write failed, when the user can fix it: a full or read-only disk, a quota, a file
+    size limit (torch.save reports a failed write as a RuntimeError from its zip writer)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "unexpected pos" in str(e)):
+        return "a write failed: is the disk full?"
+    return None
+
+
+def not_written(path: Path, reason: str | None) -> AppError:
+    return AppError(f"checkpoint {path} could not be written ({reason}); the checkpoints "
+                    f"already on disk are intact")
 
 
 def put(new: Path, name: Path) -> None:

@@ -23,8 +23,6 @@ import importlib
 import logging
 import pickle
 import shutil
-import threading
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +34,7 @@ from torch import nn
 from app import progress
 from app.checkpoint import io
 from app.checkpoint.writer import BackgroundWrites
-from app.errors import AppError, UserError, one_line
+from app.errors import UserError, one_line
 from app.files import sync_dir
 
 log = logging.getLogger(__name__)
@@ -74,66 +72,43 @@ class ShardedWriter(BackgroundWrites):
              then: Callable[[], None]) -> float:
         """Every rank calls it with its shards; `meta` (rank 0's) and `then` are rank 0's."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
 
-        start = time.perf_counter()
-        progress.tick()
-        self.saves += 1
-        self.wait()
+        start = self._begin()
         tmp = temporary(path)
-        if not self.background:
-            with progress.busy():
-                try:
-                    dcp.save(tensors, checkpoint_id=tmp, process_group=self.group)
-                except (Exception, CheckpointException) as e:
-                    raise self._failed(tmp, path, e) from e
-                self._finish(meta, tmp, path, then)
+        if self.background:
+            shards = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.group).result
         else:
-            future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.group)
-            self._thread = threading.Thread(target=self._background, name="app-dcp-writer",
-                                            args=(future, meta, tmp, path, then))
-            self._thread.start()
-        self.waited_s += time.perf_counter() - start
-        return time.perf_counter() - start
+            def shards() -> None:
+                dcp.save(tensors, checkpoint_id=tmp, process_group=self.group)
+        return self._run(lambda: self._write(shards, meta, tmp, path, then), "app-dcp-writer",
+                         start)
 
-    def _background(self, future: Any, meta: dict[str, Any] | None, tmp: Path, path: Path,
-                    then: Callable[[], None]) -> None:
+    def _write(self, shards: Callable[[], Any], meta: dict[str, Any] | None, tmp: Path,
+               path: Path, then: Callable[[], None]) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
 
-        try:
-            with progress.busy():
-                try:
-                    future.result()  # every rank's shards and the index are written
-                except (Exception, CheckpointException) as e:
-                    raise self._failed(tmp, path, e) from e
-                self._finish(meta, tmp, path, then)
-            progress.tick()
-        except BaseException as e:  # raised in the loop's thread at its next save or wait
-            self._error = e
-
-    def _failed(self, tmp: Path, path: Path, e: BaseException) -> AppError:
-        """A save that failed on some rank (a full disk, a quota): every rank gets the error
-        from DCP's last collective, so none writes into `tmp` any more; rank 0 removes it."""
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return AppError(f"checkpoint {path} could not be written ({dcp_error(e)}); the "
-                        f"checkpoints already on disk are intact")
-
-    def _finish(self, meta: dict[str, Any] | None, tmp: Path, path: Path,
-                then: Callable[[], None]) -> None:
-        if not self.is_main:
-            return
-        try:
-            io.save(meta, tmp / META)
-            sync_dir(tmp)
-            io.put(tmp, path)  # (over the same step written before, a file or a directory)
-        except (OSError, AppError) as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, AppError):
+        with progress.busy():
+            try:
+                shards()  # every rank's shards and the index are written
+            except (Exception, CheckpointException) as e:
+                # (Every rank gets a rank's error from DCP's last collective, so none writes
+                # into `tmp` any more: rank 0 removes it.)
+                if self.is_main:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise io.not_written(path, dcp_error(e)) from e
+            if not self.is_main:
+                return
+            try:
+                io.save(meta, tmp / META)
+                sync_dir(tmp)
+                io.put(tmp, path)  # (over the same step written before, a file or a directory)
+            except BaseException as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if isinstance(e, OSError):
+                    raise io.not_written(path, io.reason(e)) from e
                 raise
-            raise AppError(f"checkpoint {path} could not be written ({e.strerror or e}); the "
-                           f"checkpoints already on disk are intact") from e
-        then()
+            then()
+        progress.tick()
 
     def hold_until_copied(self) -> None:
         """(DCP copies the tensors before `async_save` returns: nothing to wait for.)"""
@@ -242,11 +217,7 @@ def dcp_error(e: BaseException) -> str:
 
 
 def _first_line(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    if isinstance(e, RuntimeError) and "unexpected pos" in str(e):  # torch.save's zip writer
-        return "a write failed: is the disk full?"
-    return one_line(e)
+    return io.reason(e) or one_line(e)
 
 
 def read_tensors(path: str | Path) -> dict[str, Any]:

@@ -51,6 +51,31 @@ class BackgroundWrites:
             error, self._error = self._error, None
             raise error
 
+    def _begin(self) -> float:
+        start = time.perf_counter()
+        progress.tick()  # progress, for the stall watchdog (as is the end of each write)
+        self.saves += 1
+        self.wait()  # the previous write: one copy of the state at a time, files in order
+        return start
+
+    def _run(self, write: Callable[[], None], name: str, start: float) -> float:
+        """`write` in a thread of its own (in the background; its error is raised at the
+        loop's next save or wait), or here; returns the seconds the caller was blocked."""
+        def run() -> None:
+            try:
+                write()
+            except BaseException as e:
+                self._error = e
+
+        if self.background:
+            self._thread = threading.Thread(target=run, name=name)
+            self._thread.start()
+        else:
+            run()
+            self.wait()
+        self.waited_s += time.perf_counter() - start
+        return time.perf_counter() - start
+
 
 class CheckpointWriter(BackgroundWrites):
     def __init__(self, background: bool = True) -> None:
@@ -65,28 +90,17 @@ class CheckpointWriter(BackgroundWrites):
         """Write `state` to `path`, then call `then` (links, pruning), in the background when
         asked; returns the seconds the caller was blocked. The tensors of the state that are
         `changed_only_by_step` are copied in the background, before the next optimizer step."""
-        start = time.perf_counter()
-        progress.tick()  # progress, for the stall watchdog (as is the end of each write)
-        self.saves += 1
-        self.wait()  # the previous write: one copy of the state at a time, files in order
-        if not self.background:
-            with progress.busy():  # progress that does not tick (a large file, an fsync)
-                io.save(state, path)
-            then()
-            self.waited_s += time.perf_counter() - start
-            return time.perf_counter() - start
-        self._defer = {t.data_ptr() for t in changed_only_by_step if t.device.type == "cpu"}
-        self._from_cuda = False
-        copy = self._copy(state, itertools.count())
-        if self._from_cuda:
-            with progress.waiting():  # (behind the device's queue: a collective, with NCCL)
-                torch.cuda.synchronize()  # the device-to-host copies were asynchronous
-        self._copied.clear()
-        self._thread = threading.Thread(target=self._write, args=(copy, path, then, start),
-                                        name="app-checkpoint-writer")
-        self._thread.start()
-        self.waited_s += time.perf_counter() - start
-        return time.perf_counter() - start
+        start = self._begin()
+        if self.background:
+            self._defer = {t.data_ptr() for t in changed_only_by_step if t.device.type == "cpu"}
+            self._from_cuda = False
+            state = self._copy(state, itertools.count())
+            if self._from_cuda:
+                with progress.waiting():  # (behind the device's queue: a collective, with NCCL)
+                    torch.cuda.synchronize()  # the device-to-host copies were asynchronous
+            self._copied.clear()
+        return self._run(lambda: self._write(state, path, then, start), "app-checkpoint-writer",
+                         start)
 
     def hold_until_copied(self) -> None:
         """Wait until the background copy is done: call before the deferred tensors change."""
@@ -100,21 +114,14 @@ class CheckpointWriter(BackgroundWrites):
         try:
             for buffer, tensor in self._deferred:
                 buffer.copy_(tensor)  # torch releases the GIL: the loop runs meanwhile
-        except BaseException as e:
-            self._error = e
-            return
         finally:
             self._deferred.clear()
             self._copied.set()
-        try:
-            with progress.busy():  # progress that does not tick (a large file, an fsync)
-                io.save(state, path)
-            progress.tick()
-            then()
-            log.debug("%s written %.2f s after the save began", path.name,
-                      time.perf_counter() - start)
-        except BaseException as e:  # raised in the loop's thread at its next save or wait
-            self._error = e
+        with progress.busy():  # progress that does not tick (a large file, an fsync)
+            io.save(state, path)
+        progress.tick()
+        then()
+        log.debug("%s written %.2f s after the save began", path.name, time.perf_counter() - start)
 
     def _copy(self, obj: Any, index: Any) -> Any:
         if isinstance(obj, torch.Tensor):
