@@ -171,8 +171,8 @@ def test_no_module_level_cycle() -> None:
 
 # The layers, top to bottom: a node imports only from layers below its own (the shared
 # top-level modules, the last layer, import among themselves without a circle:
-# test_no_module_level_cycle). Annotations only type checkers read are left out: the
-# checkpoint manager still names the training step's types it saves.
+# test_no_module_level_cycle). Annotations only type checkers read are left out (they import
+# nothing at run time).
 LAYERS = [
     {"__main__", "status", "runs", "report", "ckpt"},  # entry points
     {"sweeps"},  # what a sweep leaves, its Hydra callback

@@ -39,7 +39,7 @@ def test_the_slurm_watcher_is_ours_and_reads_sacct_and_squeue(tmp_path, monkeypa
     monkeypatch.setattr(SlurmJob, "watcher", SlurmJob.watcher)  # restored afterwards
     watcher = SlurmStates()
     _private.set_slurm_watcher(watcher)
-    assert _private.slurm_watcher() is watcher
+    assert SlurmJob.watcher is watcher
     SlurmJob(folder=tmp_path, job_id="42")  # registers with the watcher
     SlurmJob(folder=tmp_path, job_id="43")
     out = {"sacct": "JobID|State|NodeList\n42|COMPLETED|n1\n43|RUNNING|n1\n",

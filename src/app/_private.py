@@ -73,12 +73,6 @@ def set_slurm_watcher(watcher: Any) -> None:
     SlurmJob.watcher = watcher
 
 
-def slurm_watcher() -> Any:
-    from submitit.slurm.slurm import SlurmJob
-
-    return _attr(SlurmJob, "watcher")
-
-
 def sbatch_script(executor: Any, num_jobs: int) -> str:
     """The sbatch script an executor (submitit's AutoExecutor for Slurm) would submit for an
     array of `num_jobs` jobs (one job: no array), as submitit writes it."""
