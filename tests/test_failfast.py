@@ -153,16 +153,15 @@ def test_a_fault_or_a_signal_ends_the_job_as_the_table_says(name, tmp_path) -> N
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     output = out.read_text()
-    assert proc.returncode == trial.exit_code, output[-3000:]
+    said = f"{name}: {trial.pins}\n{output[-3000:]}"  # (a failure names what the row pins)
+    assert proc.returncode == trial.exit_code, said
     workers = worker_pids(run_dir)
-    assert len(workers) == 2 and not [p for p in workers if alive(p)], output[-3000:]
+    assert len(workers) == 2 and not [p for p in workers if alive(p)], said
     if trial.saved:
         values["step"] = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
         assert values["step"] > 0
-    for words in trial.said:
-        assert words.format(**values) in output, output[-3000:]
-    for words in trial.not_said:
-        assert words not in output, output[-3000:]
+    assert all(words.format(**values) in output for words in trial.said), said
+    assert not [words for words in trial.not_said if words in output], said
     for file, words in trial.files.items():
         text = (run_dir / file).read_text()
         assert all(w in text for w in words), (file, words, text[-3000:])
