@@ -1,26 +1,10 @@
-"""The config's shape, its typed schemas, and the checks Hydra's types cannot express.
+"""The config's typed schemas and the checks Hydra's types cannot express.
 
-Where a key goes (docs/configuration.md says the same with examples):
-
-1. Top level: the job as a whole, keys most commands set: where it runs (accelerator,
-   device_id, accelerator_strict, devices, nodes, machine_rank, dist_url), what it starts
-   from (seed, ckpt, ckpt_strict, resume), how its arithmetic is done on that hardware
-   (precision, compile, deterministic, tf32), and occupy, detail.
-2. `trainer`: the mode (`trainer=trainval|eval|predict|export`) and the training algorithm:
-   how long, how often to validate, log and checkpoint, what is best (monitor), and how a
-   step changes the weights (accumulation, clipping, non-finite losses, decay of norms, lr
-   scaling, the EMA of the weights: `trainer.ema`, `trainer.ema_decay`, ...).
-3. A key that only one other mode reads sits in a node named after that mode: `predict`,
-   `export`.
-4. A component with settings of its own is its own node, picked by the group of that name:
-   `distributed`, `logger` (typed here); `model`, `data`, `optimizer`, `scheduler`,
-   `callbacks` (untyped `_target_` nodes: their keys are the constructor's arguments).
-
-A closed set of values is an Enum, so that a wrong value fails while Hydra composes
-(app.compose_errors adds to its report). A key that moved is in RENAMED: its old name fails with
-"OLD was renamed to NEW". The schemas are registered in Hydra's ConfigStore and sit first in
-`conf/config.yaml`'s defaults list, so a misspelt key or a wrong type fails at compose time. A
-number's range is declared with its field (`_bound(20, ge=1)`) and checked by `validate`.
+docs/configuration.md says where a key goes. A closed set of values is an Enum, so that a
+wrong value fails while Hydra composes; a key that moved is in RENAMED. The schemas sit first
+in `conf/config.yaml`'s defaults list, so a misspelt key or a wrong type fails at compose
+time; a number's range is declared with its field (`_bound(20, ge=1)`) and checked by
+`validate`.
 """
 
 from __future__ import annotations
@@ -32,7 +16,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
-from enum import Enum, StrEnum
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -40,19 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from app.checks import seed_value
-from app.errors import AppError, UserError  # noqa: F401 (the config's errors, re-exported)
-
-
-class Mode(str, Enum):
-    trainval = "trainval"
-    eval = "eval"
-    predict = "predict"
-    export = "export"
-
-
-class MonitorMode(str, Enum):
-    max = "max"
-    min = "min"
+from app.errors import UserError, first_line
 
 
 class _Choice(StrEnum):
@@ -70,6 +42,8 @@ def _choice(name: str, *values: str) -> Any:
     return _Choice(name, [(v, v) for v in values], module=__name__, qualname=name)
 
 
+Mode = _choice("Mode", "trainval", "eval", "predict", "export")
+MonitorMode = _choice("MonitorMode", "max", "min")
 Precision = _choice("Precision", "32", "bf16-mixed", "16-mixed", "bf16-true")
 Accelerator = _choice("Accelerator", "auto", "cuda", "cpu", "mps", "npu", "xpu", "hpu")
 StartMethod = _choice("StartMethod", "spawn", "forkserver", "fork")
@@ -79,6 +53,7 @@ Backend = _choice("Backend", "auto", "nccl", "gloo", "mpi", "ucc", "hccl", "xccl
 Strategy = _choice("Strategy", "ddp", "fsdp")
 # What the loop validates and logs (val/loss, val/acc): the metrics a run can monitor.
 Monitor = _choice("Monitor", "val/acc", "val/loss")
+WandbMode = _choice("WandbMode", "online", "offline", "disabled")
 
 
 def _bound(default: Any, **bounds: float) -> Any:
@@ -89,7 +64,7 @@ def _bound(default: Any, **bounds: float) -> Any:
 
 @dataclass
 class TrainerConfig:
-    mode: Mode = Mode.trainval
+    mode: Mode = Mode("trainval")
     max_epochs: int | None = _bound(20, ge=1)
     max_steps: int | None = _bound(None, ge=1)
     val_every_n_epochs: int | None = _bound(1, ge=1)
@@ -100,7 +75,7 @@ class TrainerConfig:
     keep_last: int = _bound(3, ge=0)
     async_checkpoint: bool = True
     monitor: Monitor = Monitor("val/acc")
-    monitor_mode: MonitorMode = MonitorMode.max
+    monitor_mode: MonitorMode = MonitorMode("max")
     progress_bar: bool | None = None
     accumulate_grad_batches: int = _bound(1, ge=1)
     grad_clip_norm: float | None = _bound(None, gt=0)
@@ -165,7 +140,7 @@ class LoggerConfig:
     mlflow_experiment: str = "app"
     wandb: bool = False
     wandb_project: str = "app"
-    wandb_mode: str | None = None  # online | offline | disabled (null: W&B's, WANDB_MODE)
+    wandb_mode: WandbMode | None = None  # null: W&B's own (WANDB_MODE)
 
 
 @dataclass
@@ -245,8 +220,8 @@ def to_app_config(composed: Any) -> AppConfig:
     try:
         cfg = OmegaConf.to_object(composed)
     except OmegaConfBaseException as e:  # a bad interpolation such as seed=${oops}
-        key, first_line = getattr(e, "full_key", None), str(e.msg).splitlines()[0]
-        raise UserError(f"{key}: {first_line}" if key else first_line) from None
+        key = getattr(e, "full_key", None)
+        raise UserError(f"{key}: {first_line(e)}" if key else first_line(e)) from None
     validate(cfg)
     return cfg
 
@@ -335,9 +310,6 @@ def validate(cfg: AppConfig) -> None:
     if cfg.logger.wandb and importlib.util.find_spec("wandb") is None:
         raise UserError("logger.wandb=true needs Weights & Biases: pip install wandb "
                         "(or pip install -e '.[wandb]')")
-    if cfg.logger.wandb_mode not in (None, "online", "offline", "disabled"):
-        raise UserError(f"logger.wandb_mode={cfg.logger.wandb_mode}: expected online, offline, "
-                        f"disabled or null")
     for group in ("model", "data", "optimizer"):
         node = getattr(cfg, group)
         if not isinstance(node, dict) or "_target_" not in node:
