@@ -23,6 +23,7 @@ import importlib
 import logging
 import pickle
 import shutil
+import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -221,23 +222,22 @@ def _first_line(e: BaseException) -> str:
 
 
 def read_tensors(path: str | Path) -> dict[str, Any]:
-    """Every tensor of a sharded checkpoint, whole, in this process (no process group)."""
+    """Every tensor of a sharded checkpoint, whole, in this process (no process group).
+
+    Through DCP's own converter to a torch.save file (read back weights-only): its public
+    route, which reads in this process alone whatever the processes around it do."""
     path = Path(path)
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     read_index(path)  # (DCP unpickles it again: checked first)
-    tensors: dict[str, Any] = {}
-    try:
-        # What DCP's own dcp_to_torch_save does: the planner builds the state dict from the
-        # index; no_dist: read by this process alone, whatever the processes around it do.
-        _load_state_dict(tensors, storage_reader=FileSystemReader(str(path)),
-                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    except (Exception, CheckpointException) as e:
-        raise UserError(f"checkpoint {path}: its shards do not read ({dcp_error(e)})") from e
-    return tensors
+    with tempfile.TemporaryDirectory(prefix="app-dcp-") as tmp:
+        whole = Path(tmp, "whole.pt")
+        try:
+            dcp_to_torch_save(path, whole)
+        except (Exception, CheckpointException) as e:
+            raise UserError(f"checkpoint {path}: its shards do not read ({dcp_error(e)})") from e
+        return torch.load(whole, map_location="cpu", weights_only=True)
 
 
 def optimizer_by_ids(state: dict[str, Any]) -> dict[str, Any]:
