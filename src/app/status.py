@@ -15,6 +15,8 @@ import argparse
 import os
 import re
 import sys
+from collections import Counter
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -52,37 +54,20 @@ def holder(run_dir: Path) -> int | None:
     return int(pid) if host == os.uname().nodename else None
 
 
-def _metric(summary: dict[str, Any]) -> str:
-    if summary["best"] is None:
-        return f"step {summary['steps'] or 0}"
-    return f"best {summary['monitor']} {summary['best']:.6g}, step {summary['steps'] or 0}"
-
-
 def _where(run_dir: Path) -> str:
     done = progress(run_dir)
     return "" if done is None else f" at step {done[0]} of {done[1]}"
 
 
-STEP_NAME = re.compile(r"step-(\d+)\.pt$")  # (app.checkpoint.io.periodic_name)
-
-
 def checkpoint_step(run_dir: Path) -> int | None:
     """The step of the checkpoint a requeued job resumes from: the periodic checkpoint that
-    `checkpoints/last.pt` names (a hard link to its file, a symbolic link to a sharded one's
+    `checkpoints/last.pt` is (a hard link to its file, a symbolic link to a sharded one's
     directory). From the names alone, no checkpoint read: None where last.pt is a copy."""
     folder = run_dir / "checkpoints"
-    try:
-        last = (folder / "last.pt").resolve(strict=True)
-        same = last.stat()
-    except (OSError, RuntimeError):
-        return None
-    for path in folder.glob("step-*.pt"):
-        try:
-            if path.resolve() == last or os.path.samestat(path.stat(), same):
-                match = STEP_NAME.search(path.name)
-                return int(match[1]) if match else None
-        except OSError:
-            continue
+    for path in folder.glob("step-*.pt"):  # (app.checkpoint.io.periodic_name)
+        with suppress(OSError, ValueError):
+            if path.samefile(folder / "last.pt"):
+                return int(path.stem.removeprefix("step-"))
     return None
 
 
@@ -106,7 +91,9 @@ def from_run_dir(run_dir: Path) -> tuple[str, str]:
     status = summary["status"]
     again = f", {summary['attempts']} attempts" if (summary["attempts"] or 0) > 1 else ""
     if status == "completed":
-        return status, f"completed: {_metric(summary)}{again}"
+        best = "" if summary["best"] is None else \
+            f"best {summary['monitor']} {summary['best']:.6g}, "
+        return status, f"completed: {best}step {summary['steps'] or 0}{again}"
     if status in ENDED_BADLY:
         return status, f"{status}{_where(run_dir)}: {summary['error'] or 'no error recorded'}"
     pid = holder(run_dir)
@@ -156,12 +143,10 @@ def failure_of(record: dict[str, Any], sweep_dir: Path, job: dict[str, Any], sta
     tasks' results and srun's report), as the waiting command reports it."""
     if state not in slurm.FINAL or state == "COMPLETED":
         return None
-    try:
-        import submitit
+    import submitit
 
-        from app.sweeps.job_end import describe, outcomes
-    except ImportError:
-        return None
+    from app.sweeps.job_end import describe, outcomes
+
     folder = record.get("submitit_folder") or str(sweep_dir / ".submitit" / "%j")
     sjob = submitit.SlurmJob(folder=folder, job_id=job["job_id"],
                              tasks=range(int(job.get("tasks", 1))))
@@ -221,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for _, line in lines:
         print(line)
-    counts: dict[str, int] = {}
-    for status, _ in lines:
-        counts[status] = counts.get(status, 0) + 1
+    counts = Counter(status for status, _ in lines)
     print(f"{len(lines)} job(s): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     return 1 if any(s in ENDED_BADLY for s in counts) else 0
 
