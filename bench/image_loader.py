@@ -36,8 +36,8 @@ class PlainImages(Dataset):
     """What one writes without the app: open, convert, crop and flip, normalise."""
 
     def __init__(self, data: ImageFolder) -> None:
-        self.files, self.labels = data.train.files, data.train.labels.tolist()
-        self.mode, self.mean, self.std = data.mode, data.stats[0].clone(), data.stats[1].clone()
+        self.files, self.labels = data.train.files, data.train.labels
+        self.mode, self.mean, self.std = data.mode, *data.stats[:, :, None, None].clone()
 
     def __len__(self) -> int:
         return len(self.files)
@@ -46,8 +46,7 @@ class PlainImages(Dataset):
         image = transforms.decode(self.files[index], self.mode)
         image = transforms.random_resized_crop(image, (SIZE, SIZE), (0.35, 1.0), True,
                                                random.Random())
-        return transforms.normalize(transforms.to_tensor(image), self.mean, self.std), \
-            self.labels[index]
+        return (transforms.to_tensor(image) - self.mean) / self.std, self.labels[index]
 
 
 def _rate(loader: DataLoader, before_epoch) -> float:

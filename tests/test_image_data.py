@@ -37,7 +37,9 @@ def folder(tmp_path_factory):
 
 def _data(root, **options) -> ImageFolder:
     data = ImageFolder(root=str(root), **{"image_size": 16, **options})
-    data.prepare()  # (what the loop does before training: the normalisation)
+    if data.cache:  # (what build_data does before training: the cache, the normalisation)
+        data.cache_in_memory()
+    data.prepare()
     return data
 
 
@@ -110,7 +112,7 @@ def test_a_layout_with_train_and_val_folders(tmp_path, val_name) -> None:
     make_image_folder(tmp_path / val_name, per_class=2, seed=1, classes=CLASSES[1:])
     data = _data(tmp_path)
     assert data.classes == list(CLASSES) and (len(data.train), len(data.val)) == (12, 4)
-    assert sorted(set(data.val.labels.tolist())) == [1, 2]  # labelled by train/'s classes
+    assert sorted(set(data.val.labels)) == [1, 2]  # labelled by train/'s classes
 
 
 def test_a_train_folder_alone_gives_its_classes_and_a_drawn_share(tmp_path) -> None:

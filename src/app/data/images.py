@@ -8,6 +8,7 @@ as training did).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -38,28 +39,23 @@ class Decoded:
     so training is the same with the cache and without."""
 
     def __init__(self, images: list[Image.Image], mode: str) -> None:
-        arrays = [torch.from_numpy(np.array(image, dtype=np.uint8)) for image in images]
-        self.shapes = [tuple(a.shape) for a in arrays]
-        sizes = torch.tensor([a.numel() for a in arrays], dtype=torch.int64)
-        self.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
-        self.pixels = torch.cat([a.flatten() for a in arrays]).share_memory_()
+        arrays = [np.asarray(image, dtype=np.uint8) for image in images]
+        self.shapes = [a.shape for a in arrays]
+        self.offsets = [0, *itertools.accumulate(a.size for a in arrays)]
+        self.pixels = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).share_memory_()
         self.mode = mode
 
     def image(self, index: int) -> Image.Image:
-        start, end = self.offsets[index].item(), self.offsets[index + 1].item()
-        return Image.fromarray(self.pixels[start:end].view(self.shapes[index]).numpy(),
-                               mode=self.mode)
+        pixels = self.pixels[self.offsets[index]:self.offsets[index + 1]]
+        return Image.fromarray(pixels.view(self.shapes[index]).numpy(), mode=self.mode)
 
 
 class ImageSet(Dataset):
-    """Images with their labels, decoded when read (`load`, by the subclass): the evaluation
-    view, or (with `augment`) a random resized crop and flip drawn from (seed, epoch, index)
-    alone, so loader workers never repeat each other and a resumed run sees the same
-    samples."""
+    """Images with their labels, decoded when read (`load`, by the subclass), viewed as the
+    module's docstring says."""
 
     def __init__(self, labels: list[int], mode: str) -> None:
-        self.labels = torch.tensor(labels, dtype=torch.int64)
-        self._labels = [int(label) for label in labels]  # (an int a sample: cheaper to batch)
+        self.labels = [int(label) for label in labels]  # (an int a sample: cheaper to batch)
         self.mode = mode
         self.key = torch.zeros(2, dtype=torch.int64).share_memory_()  # seed, epoch
         self.decoded: Decoded | None = None
@@ -90,15 +86,18 @@ class ImageSet(Dataset):
         except BadImage as e:  # (met while training: say what helps)
             raise BadImage(f"{e}{SKIP_HINT}") from None
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image = self.image(index)
-        if self.augment is None:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        rng = None if self.augment is None else random.Random(
+            sample_seed(*self.key.tolist(), index))
+        return self.tensor(self.image(index), rng), self.labels[index]
+
+    def tensor(self, image: Image.Image, rng: random.Random | None = None) -> torch.Tensor:
+        """The image's evaluation view, or with `rng` its augmented one, normalised."""
+        if rng is None:
             image = transforms.resize_and_crop(image, self.size)
         else:
-            seed, epoch = self.key.tolist()
-            rng = random.Random(sample_seed(seed, epoch, index))
             image = transforms.random_resized_crop(image, self.size, rng=rng, **self.augment)
-        return transforms.to_tensor(image).sub_(self._mean).div_(self._std), self._labels[index]
+        return transforms.to_tensor(image).sub_(self._mean).div_(self._std)
 
 
 class ImageData(DataModule):
@@ -146,8 +145,22 @@ class ImageData(DataModule):
         or with bad_files=skip those that decode (each is decoded once; the others are
         counted in a warning). Called before a validation share is drawn, so that it shares
         out readable images only."""
-        return readable_indices(load, count, where) if self.bad_files == "skip" else \
-            list(range(count))
+        if self.bad_files == "fail":
+            return list(range(count))
+        kept, bad = [], []
+        for index in range(count):
+            try:
+                load(index)
+                kept.append(index)
+            except BadImage as e:
+                bad.append(str(e))
+        if bad:
+            log.warning("data.bad_files=skip: %d unreadable image(s) left out; the first: %s",
+                        len(bad), bad[0])
+        if not kept:
+            raise UserError(f"{where}: none of the {count} images of a split is readable; the "
+                            f"first: {bad[0]}")
+        return kept
 
     def use(self, classes: list[str], train: ImageSet, val: ImageSet, where: str) -> None:
         """Take the two sets (of `classes`, found `where`)."""
@@ -167,24 +180,21 @@ class ImageData(DataModule):
         if self._given is not None:
             self.stats[:] = self._given
             return
-        if self.cache:  # decoded once, for the statistics too
-            self.cache_in_memory()
         # One rank reads the images, the others receive its result (the same values: the
         # sample is drawn by the seed) instead of each reading them again.
         self.stats[:] = dist.broadcast_object(
             _statistics(self.train, self.split_seed) if dist.is_main() else None)
-        log.info("%s: normalised by the training images' mean %s and std %s", self.where,
-                 _rounded(self.stats[0]), _rounded(self.stats[1]))
+        mean, std = ([round(v, 4) for v in row] for row in self.stats.tolist())
+        log.info("%s: normalised by the training images' mean %s and std %s", self.where, mean,
+                 std)
 
     def set_epoch(self, epoch: int, seed: int) -> None:
         self.train.key[0], self.train.key[1] = seed, epoch
 
     def cache_in_memory(self) -> None:
-        if self.train.decoded is not None:
-            return  # (done already by `use`)
         self.train.share_memory()
         self.val.share_memory()
-        size = sum(s.decoded.pixels.numel() for s in (self.train, self.val) if s.decoded)
+        size = self.train.decoded.pixels.numel() + self.val.decoded.pixels.numel()
         log.info("cached %d + %d decoded images in shared memory (%.1f MB)", len(self.train),
                  len(self.val), size / 1e6)
 
@@ -210,32 +220,10 @@ class ImageData(DataModule):
         self._normalised = True
 
     def decode_file(self, path: Path) -> torch.Tensor:
-        image = transforms.resize_and_crop(transforms.decode(path, self.mode),
-                                           self.input_shape[1:])
-        return transforms.normalize(transforms.to_tensor(image), self.stats[0], self.stats[1])
+        return self.val.tensor(transforms.decode(path, self.mode))
 
     def show(self, inputs: torch.Tensor) -> torch.Tensor:
         return (inputs * self.stats[1][:, None, None] + self.stats[0][:, None, None]).clamp(0, 1)
-
-
-def readable_indices(load: Any, count: int, where: str) -> list[int]:
-    """`bad_files=skip`: the indices of the images `load(index)` decodes (every image is
-    decoded once); the others are counted in a warning."""
-    kept, bad = [], []
-    for index in range(count):
-        try:
-            load(index)
-        except BadImage as e:
-            bad.append(str(e))
-            continue
-        kept.append(index)
-    if bad:
-        log.warning("data.bad_files=skip: %d unreadable image(s) left out; the first: %s",
-                    len(bad), bad[0])
-    if not kept:
-        raise UserError(f"{where}: none of the {count} images of a split is readable; the "
-                        f"first: {bad[0]}")
-    return kept
 
 
 def switch(key: str, value: Any) -> bool:
@@ -258,10 +246,6 @@ def numbers(key: str, value: Any, count: int) -> list[float]:
 
 def _listed(classes: list[str]) -> str:
     return ", ".join(classes[:8]) + (f" ... ({len(classes)})" if len(classes) > 8 else "")
-
-
-def _rounded(values: torch.Tensor) -> list[float]:
-    return [round(v, 4) for v in values.tolist()]
 
 
 def _statistics(images: ImageSet, seed: int) -> torch.Tensor:

@@ -93,7 +93,3 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
     """(C, H, W) float32 in [0, 1]."""
     array = np.asarray(image, dtype=np.float32) / 255.0
     return torch.from_numpy(array[None] if array.ndim == 2 else array.transpose(2, 0, 1).copy())
-
-
-def normalize(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    return (x - mean[:, None, None]) / std[:, None, None]
