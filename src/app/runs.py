@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from app.errors import first_line
 from app.flat import leaves
 from app.reporting.results import RESULT, folder_arg, read_metrics
 from app.sweeps.summary import job_summary, overrides_of
@@ -31,36 +33,22 @@ SKIP = {".code", ".submitit", "checkpoints", "logs", "plots", ".hydra", "export"
 def find_runs(root: Path) -> list[Path]:
     """Run directories under `root` (itself included), without descending into a run's own
     folders or a sweep's code snapshot."""
-    found, todo = [], [root]
-    while todo:
-        folder = todo.pop()
-        if (folder / ".hydra" / "config.yaml").is_file():
-            found.append(folder)
-        try:
-            todo += [p for p in folder.iterdir() if p.is_dir() and p.name not in SKIP]
-        except OSError:
-            continue
+    found = []
+    for folder, subfolders, _ in os.walk(root, followlinks=True):
+        if (Path(folder) / ".hydra" / "config.yaml").is_file():
+            found.append(Path(folder))
+        subfolders[:] = [name for name in subfolders if name not in SKIP]
     return found
-
-
-def config_of(run: Path) -> DictConfig:
-    return OmegaConf.load(run / ".hydra" / "config.yaml")
-
-
-def started(run: Path) -> float:
-    """When the run began: Hydra writes its config first."""
-    return (run / ".hydra" / "config.yaml").stat().st_mtime
 
 
 def describe(run: Path) -> dict[str, Any]:
     summary = job_summary(run)
-    config = config_of(run)
-    return {"run": run, "status": summary["status"],
+    saved = run / ".hydra" / "config.yaml"
+    config = OmegaConf.load(saved)
+    return {**summary, "run": run, "config": config, "choices": _choices(run),
             "mode": OmegaConf.select(config, "trainer.mode", default="?"),
-            "monitor": summary["monitor"], "best": summary["best"],
-            "steps": summary["steps"], "wall_s": summary["wall_s"],
-            "started": started(run), "command": " ".join(overrides_of(run)),
-            "error": summary["error"], "config": config, "choices": _choices(run)}
+            "started": saved.stat().st_mtime,  # (Hydra writes the config first)
+            "command": " ".join(overrides_of(run))}
 
 
 def _choices(run: Path) -> dict[str, Any]:
@@ -198,27 +186,25 @@ def differences(a: DictConfig, b: DictConfig) -> list[tuple[str, Any, Any]]:
 
 
 def _unreadable(e: Exception) -> str:
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return f"its .hydra/config.yaml does not load as a config ({first})"
+    return f"its .hydra/config.yaml does not load as a config ({first_line(e)})"
 
 
-def _run_dir(path: Path) -> Path | None:
+def _described(path: Path) -> dict[str, Any] | None:
+    """`describe(path)`, or None with the reason on stderr."""
     if not (path / ".hydra" / "config.yaml").is_file():
         print(f"error: {path}: not a run directory (no .hydra/config.yaml)", file=sys.stderr)
         return None
     try:
-        describe(path)
+        return describe(path)
     except Exception as e:
         print(f"error: {path}: {_unreadable(e)}", file=sys.stderr)
         return None
-    return path
 
 
-def cmd_show(path: Path) -> int:
-    run = _run_dir(path)
-    if run is None:
+def cmd_show(run: Path) -> int:
+    r = _described(run)
+    if r is None:
         return 2
-    r = describe(run)
     print(f"run {run}")
     print(f"status: {r['status']}" + (f" ({r['error']})" if r["error"] else ""))
     print(f"mode: {r['mode']}; best {r['monitor']}: {_number(r['best'])}; steps: "
@@ -241,11 +227,10 @@ def cmd_show(path: Path) -> int:
     return 0
 
 
-def cmd_diff(path_a: Path, path_b: Path) -> int:
-    a, b = _run_dir(path_a), _run_dir(path_b)
-    if a is None or b is None:
+def cmd_diff(a: Path, b: Path) -> int:
+    ra, rb = _described(a), _described(b)
+    if ra is None or rb is None:
         return 2
-    ra, rb = describe(a), describe(b)
     print(f"A: {a}\nB: {b}")
     changed = differences(ra["config"], rb["config"])
     rows = [["key", "A", "B"]] + [[k, str(va), str(vb)] for k, va, vb in changed]
