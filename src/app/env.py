@@ -72,15 +72,11 @@ def first_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def _int(env: Mapping[str, str], *names: str) -> int | None:
+def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int | None:
     for name in names:
         if env.get(name, "").strip().lstrip("-").isdigit():
             return int(env[name])
-    return None
-
-
-def _given(value: int | None, otherwise: int) -> int:
-    return otherwise if value is None else value
+    return default
 
 
 def check_horovod(env: Mapping[str, str], requested: bool) -> None:
@@ -98,7 +94,7 @@ def _torchrun(env: Mapping[str, str]) -> ProcessEnv | None:
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     return ProcessEnv(Kind.torchrun, rank, world, int(env["LOCAL_RANK"]), local_world,
-                      _given(_int(env, "GROUP_RANK"), rank // local_world),
+                      _int(env, "GROUP_RANK", default=rank // local_world),
                       env.get("MASTER_ADDR", "127.0.0.1"),
                       int(env.get("MASTER_PORT", DEFAULT_PORT)))
 
@@ -115,7 +111,7 @@ def _slurm(env: Mapping[str, str]) -> ProcessEnv | None:
     tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", ""))
     local_world = _int({"n": re.split(r"[(,]", tasks_per_node)[0]}, "n") or world
     return ProcessEnv(Kind.slurm, rank, world, _int(env, "SLURM_LOCALID") or 0, local_world,
-                      _given(_int(env, "SLURM_NODEID"), rank // local_world),
+                      _int(env, "SLURM_NODEID", default=rank // local_world),
                       env.get("MASTER_ADDR") or first_host(nodelist),
                       _int(env, "MASTER_PORT") or 15000 + job_id % 20000)
 
@@ -164,14 +160,8 @@ def this_process() -> ProcessEnv:
 
 
 def reproducible_matmuls() -> None:
-    """MKL's strict reproducibility mode (MKL_CBWR=AUTO,STRICT), unless the user set one.
-
-    MKL's matrix products otherwise round differently with another thread count, so a run
-    resumed with another count (a Slurm job requeued onto other cores, OMP_NUM_THREADS changed,
-    MKL picking fewer threads under load) would not repeat the first bit for bit; in strict mode
-    it does, at no measurable cost (docs/measurements.md, bench/blas_mode.py). MKL reads the
-    setting at its first call, so this runs before any computation; workers inherit it.
-    Convolutions (oneDNN) and PyTorch's own reductions still depend on the thread count. It
-    lives here, without torch, so that the entry can set it before torch is imported.
-    """
+    """MKL's strict reproducibility mode, unless the user set one: MKL's matrix products
+    otherwise round differently with another thread count, so a run resumed on other cores
+    would not repeat the first bit for bit (no measurable cost: docs/measurements.md). MKL
+    reads it at its first call, hence here, before torch is imported; workers inherit it."""
     os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
