@@ -5,14 +5,9 @@ An upgrade of PyTorch, Hydra, submitit or Python that moves one fails here, by n
 
 from __future__ import annotations
 
-import signal
 import subprocess
 
-import pytest
-import torch
 import torch.distributed as tdist
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data._utils import signal_handling
 
 from app import _private
 
@@ -55,33 +50,6 @@ def test_the_slurm_watcher_is_ours_and_reads_sacct_and_squeue(tmp_path, monkeypa
     watcher.source = "squeue"  # as after sacct failed
     watcher.update()
     assert watcher.get_state("43", mode="cache") == "FAILED" and watcher.is_done("43")
-
-
-def test_a_loaders_workers_are_found() -> None:
-    data = TensorDataset(torch.zeros(8, 2))
-    batches = iter(DataLoader(data, batch_size=2, num_workers=1))
-    next(batches)
-    workers = _private.loader_workers(batches)
-    assert workers is not None and len(workers) == 1
-    assert workers[0].pid > 0 and workers[0].exitcode is None and workers[0].sentinel
-    del batches
-    assert _private.loader_workers(iter(DataLoader(data, num_workers=0))) is None
-
-
-@pytest.mark.parametrize("unset", [False, True])
-def test_the_dataloader_sigchld_handler_is_kept_out(monkeypatch, unset: bool) -> None:
-    monkeypatch.setattr(signal_handling, "_SIGCHLD_handler_set", False)
-    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    try:
-        if unset:
-            _private.no_sigchld_handler()
-        batches = iter(DataLoader(TensorDataset(torch.zeros(4, 2)), num_workers=1))
-        next(batches)
-        del batches
-        # Without the flag PyTorch installs its handler: the case that shows the flag works.
-        assert (signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL) is unset
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
 
 
 def test_the_sbatch_script_of_an_array_is_written_as_submitit_writes_it(tmp_path) -> None:

@@ -1,13 +1,10 @@
-"""Every reach into another library's private internals, in one place: five.
+"""Every reach into another library's private internals, in one place: three.
 
 PyTorch and submitit offer no public way to do these: the process group's store (the stall
-watchdog's channel), a DataLoader's worker processes (to name the one that died), keeping
-out the DataLoader's SIGCHLD handler, submitit's Slurm state watcher (squeue where sacct
-fails), and the sbatch script submitit would write (`dry_run`). Each accessor checks that
-what it reaches for is there; tests/test_private.py exercises each one on the installed
-versions, so an upgrade that moves one fails there, by name, rather than somewhere inside a
-run. Where a caller can do without (a less precise
-message), a missing internal reads as "nothing to report", as the callers did before.
+watchdog's channel), submitit's Slurm state watcher (squeue where sacct fails), and the
+sbatch script submitit would write (`dry_run`). Each accessor checks that what it reaches for
+is there; tests/test_private.py exercises each one on the installed versions, so an upgrade
+that moves one fails there, by name, rather than somewhere inside a run.
 """
 
 from __future__ import annotations
@@ -33,26 +30,6 @@ def process_group_store() -> Any:
     from torch.distributed import distributed_c10d
 
     return _attr(distributed_c10d, "_get_default_store")()
-
-
-def loader_workers(obj: Any) -> list[Any] | None:
-    """The worker processes of `obj` if it is a DataLoader iterator that has workers, else
-    None (also when the internals are gone: this runs while an error is being reported)."""
-    from torch.utils.data import dataloader
-
-    kind = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
-    if kind is None or not isinstance(obj, kind):
-        return None
-    return list(getattr(obj, "_workers", ()))
-
-
-def no_sigchld_handler() -> None:
-    """Mark PyTorch's DataLoader SIGCHLD handler as installed already, so it never is (when
-    the flag is gone, PyTorch's handler reports a dead worker, as it would anyway)."""
-    from torch.utils.data._utils import signal_handling
-
-    if hasattr(signal_handling, "_SIGCHLD_handler_set"):
-        signal_handling._SIGCHLD_handler_set = True
 
 
 # submitit -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from app.checkpoint.restore import load_for_inference
 from app.config import AppConfig, Mode
 from app.data import DataModule
 from app.errors import UserError, first_line
-from app.training.data_errors import NamedItems, no_async_worker_errors
+from app.training.data_errors import Loader, NamedItems
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +165,6 @@ def seed_worker(worker_id: int) -> None:
 
 def _loader_options(data: DataModule) -> dict[str, Any]:
     workers = data.num_workers > 0
-    if workers:
-        no_async_worker_errors()
     return {
         "num_workers": data.num_workers,
         "pin_memory": data.pin_memory and torch.cuda.is_available(),
@@ -180,11 +178,11 @@ def _loader_options(data: DataModule) -> dict[str, Any]:
 
 def build_train_loader(data: DataModule, seed: int) -> tuple[DataLoader, ResumableSampler]:
     sampler = ResumableSampler(data.train, seed)
-    loader = DataLoader(NamedItems(data.train, "training"), batch_size=data.batch_size,
-                        sampler=sampler, drop_last=True, **_loader_options(data))
+    loader = Loader(NamedItems(data.train, "training"), batch_size=data.batch_size,
+                    sampler=sampler, drop_last=True, **_loader_options(data))
     return loader, sampler
 
 
 def build_val_loader(data: DataModule) -> DataLoader:
-    return DataLoader(NamedItems(data.val, "validation"), batch_size=data.val_batch_size,
-                      sampler=ShardSampler(data.val), **_loader_options(data))
+    return Loader(NamedItems(data.val, "validation"), batch_size=data.val_batch_size,
+                  sampler=ShardSampler(data.val), **_loader_options(data))

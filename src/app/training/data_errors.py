@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import signal
+import threading
 import time
+import weakref
 from typing import Any
 
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-from app._private import loader_workers, no_sigchld_handler
-from app.errors import AppError, DataItemError
+from app.errors import AppError, DataItemError, first_line
 
 
 class NamedItems(Dataset):
@@ -45,16 +46,34 @@ class NamedItems(Dataset):
                              f"{type(e).__name__}: {e}")
 
 
-def no_async_worker_errors() -> None:
-    """Keep PyTorch from installing its SIGCHLD handler in this process.
+class Loader(DataLoader):
+    """A DataLoader that leaves this process's SIGCHLD handler as it was, and keeps its worker
+    processes for the report of one that dies (`loader_worker_died`).
 
-    That handler raises "DataLoader worker ... is killed" from a signal, so at whatever line
-    the main thread is on: inside a logging call (which swallows it and prints a traceback),
-    a `finally` block, a checkpoint snapshot. Without it the loader finds a dead worker
-    itself, at the next batch it waits for (its status check runs every 5 s), and raises
+    PyTorch installs, at the first iterator with workers, a SIGCHLD handler that raises
+    "DataLoader worker ... is killed" from a signal, so at whatever line the main thread is on:
+    inside a logging call (which swallows it and prints a traceback), a `finally` block, a
+    checkpoint snapshot. It installs it once per process; put back, the loader finds a dead
+    worker itself, at the next batch it waits for (its status check runs every 5 s), and raises
     there, where the loop can report it.
     """
-    no_sigchld_handler()
+
+    def __iter__(self) -> Any:
+        if self.num_workers == 0:
+            return super().__iter__()
+        previous = signal.getsignal(signal.SIGCHLD)
+        before = set(multiprocessing.active_children())
+        batches = super().__iter__()
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGCHLD, previous)
+        started = [p for p in multiprocessing.active_children() if p not in before]
+        if started:  # (persistent workers start once)
+            _WORKERS[batches] = started
+        return batches
+
+
+# The worker processes of each live iterator of a Loader (an iterator need not keep its loader).
+_WORKERS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def loader_worker_died(error: BaseException) -> AppError | None:
@@ -67,12 +86,11 @@ def loader_worker_died(error: BaseException) -> AppError | None:
     can be seen: the workers are then given a moment to be found dead.
     """
     said_so = isinstance(error, RuntimeError) and "DataLoader worker" in str(error)
-    workers = _loader_workers_in_traceback(error)
-    if not said_so and not (workers is not None and isinstance(error, (ConnectionError,
-                                                                       EOFError))):
+    if not said_so and not (isinstance(error, (ConnectionError, EOFError))
+                            and _raised_in_a_loader(error)):
         return None
-    what = _worker_exits(workers or [], wait_s=0 if said_so else 5) or \
-        (str(error).strip().splitlines() or [type(error).__name__])[0]
+    workers = [w for started in list(_WORKERS.values()) for w in started]
+    what = _worker_exits(workers, wait_s=0 if said_so else 5) or first_line(error)
     if not said_so and not what.startswith("DataLoader worker"):
         what = f"a loader worker stopped answering ({type(error).__name__}: {what})"
     return AppError(f"data loading failed: {what} (a loader worker crashed: out of memory, "
@@ -80,17 +98,13 @@ def loader_worker_died(error: BaseException) -> AppError | None:
                     f"training process)")
 
 
-def _loader_workers_in_traceback(error: BaseException) -> list[Any] | None:
-    """The worker processes of the loader iterator whose method raised `error`, read from its
-    traceback (None: no such loader)."""
-    workers = None
+def _raised_in_a_loader(error: BaseException) -> bool:
     tb = error.__traceback__
     while tb is not None:
-        found = loader_workers(tb.tb_frame.f_locals.get("self"))
-        if found is not None:
-            workers = found
+        if tb.tb_frame.f_globals.get("__name__") == "torch.utils.data.dataloader":
+            return True
         tb = tb.tb_next
-    return workers
+    return False
 
 
 def _worker_exits(workers: list[Any], wait_s: float) -> str | None:
