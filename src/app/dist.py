@@ -38,11 +38,9 @@ def _ddp_takes(keyword: str) -> bool:
 
 
 def ddp_buffer_sync(sync: bool) -> dict[str, bool]:
-    """DDP's keyword for copying rank 0's buffers before each forward. torch 2.13 renamed
-    `broadcast_buffers` to `forward_sync_buffers` and warns (FutureWarning) whenever the old
-    one is passed, even with its default. The new one always syncs buffers once at
-    construction as well; the old one with False did not, which changes nothing here: every
-    rank builds the model from the same seed, so the buffers are equal then anyway."""
+    """DDP's keyword for copying rank 0's buffers before each forward: torch 2.13 renamed
+    `broadcast_buffers` to `forward_sync_buffers` and warns whenever the old one is passed.
+    (The new one also syncs once at construction: the same buffers anyway, from one seed.)"""
     keyword = "forward_sync_buffers" if _ddp_takes("forward_sync_buffers") else "broadcast_buffers"
     return {keyword: sync}
 
@@ -102,12 +100,9 @@ def init(backend: str, url: str, rank: int, world_size: int, local_rank: int,
     tdist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                              **_rendezvous(url, rank, world_size, timeout))
     _local_rank = local_rank
-    # Every rank must create every group, in the same order.
-    machine = rank // local_world_size
-    for first in range(0, world_size, local_world_size):
-        group = tdist.new_group(list(range(first, min(first + local_world_size, world_size))))
-        if first // local_world_size == machine:
-            _local_group = group
+    _local_group, _ = tdist.new_subgroups_by_enumeration(
+        [list(range(first, min(first + local_world_size, world_size)))
+         for first in range(0, world_size, local_world_size)])
     _control_group = None if backend == "gloo" else tdist.new_group(backend="gloo")
     log.debug("rank %d/%d joined (%s, %s)", rank, world_size, backend, url)
 
@@ -156,9 +151,8 @@ def barrier() -> None:
 
 
 def _all_reduce(value: torch.Tensor, op: Any) -> torch.Tensor:
-    """`value` reduced with `op` over all ranks: a new tensor (`value` is left alone), or with
-    one process `value` itself (no copy: a device op less on each logging step), to be read,
-    not changed."""
+    """A new tensor (`value` is left alone); with one process `value` itself, to be read, not
+    changed (no copy: a device op less on each logging step)."""
     if not initialized():
         return value
     out = value.clone()
