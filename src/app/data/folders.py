@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 from PIL import Image
@@ -41,6 +40,10 @@ class FolderImages(ImageSet):
     def load(self, index: int) -> Image.Image:
         return transforms.decode(self.files[index], self.mode)
 
+    def subset(self, indices: list[int]) -> FolderImages:
+        return FolderImages([self.files[i] for i in indices], [self.labels[i] for i in indices],
+                            self.mode)
+
 
 class ImageFolder(ImageData):
     """The images under `root`, one sub-folder per class (see the module's docstring).
@@ -56,15 +59,11 @@ class ImageFolder(ImageData):
         if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float):
             raise UserError(f"data.val_fraction={val_fraction}: expected a number")
         self.root = Path(root).expanduser()
-        classes, train, val = _find(self.root, val_fraction, self.split_seed, self._readable)
-        self.use(classes, FolderImages(*train, self.mode), FolderImages(*val, self.mode),
-                 f"data.root={self.root}")
-
-
-    def _readable(self, files: Files) -> Files:
-        kept = self.readable(lambda i: transforms.decode(files[0][i], self.mode), len(files[0]),
-                             f"data.root={self.root}")
-        return [files[0][i] for i in kept], [files[1][i] for i in kept]
+        folder, classes, train, val = _find(self.root)
+        self.use(classes, FolderImages(*train, self.mode),
+                 None if val is None else FolderImages(*val, self.mode), f"data.root={self.root}",
+                 lambda images: split_by_name([str(f.relative_to(folder)) for f in images.files],
+                                              val_fraction, self.split_seed))
 
 
 def _class_folders(folder: Path) -> list[str]:
@@ -108,33 +107,25 @@ def _labelled(folder: Path, classes: list[str], labels_of: list[str]) -> Files:
     return files, labels
 
 
-def _find(root: Path, val_fraction: float, split_seed: int,
-          readable: Callable[[Files], Files]) -> tuple[list[str], Files, Files]:
-    """The classes, and the (files, labels) of training and of validation: those `readable`
-    keeps (before the split is drawn: it shares out readable images only)."""
+def _find(root: Path) -> tuple[Path, list[str], Files, Files | None]:
+    """The folder of the training images, the classes, and the (files, labels) of training and
+    of validation (None: a share of training is drawn)."""
     if not root.is_dir():
         raise UserError(f"data.root={root}: no such folder (one sub-folder per class, each "
                         f"holding its images)")
+    train_dir = root / "train" if (root / "train").is_dir() else root
+    classes = _class_folders(train_dir)
+    _enough(train_dir, classes)
     val_dir = next((root / n for n in VAL_FOLDERS if (root / n).is_dir()), None)
-    if (root / "train").is_dir() and val_dir is not None:
-        classes = _class_folders(root / "train")
-        _enough(root / "train", classes)
-        val_classes = _class_folders(val_dir)
-        extra = sorted(set(val_classes) - set(classes))
-        if extra:
-            raise UserError(f"data.root={root}: {val_dir.name}/ has classes that train/ has "
-                            f"not: {', '.join(extra)}")
-        return (classes, readable(_labelled(root / "train", classes, classes)),
-                readable(_labelled(val_dir, val_classes, classes)))
-    if (root / "train").is_dir():  # a training folder alone: its share is drawn
-        root = root / "train"
-    classes = _class_folders(root)
-    _enough(root, classes)
-    files, labels = readable(_labelled(root, classes, classes))
-    train_idx, val_idx = split_by_name([str(f.relative_to(root)) for f in files], val_fraction,
-                                       split_seed)
-    return (classes, ([files[i] for i in train_idx], [labels[i] for i in train_idx]),
-            ([files[i] for i in val_idx], [labels[i] for i in val_idx]))
+    if train_dir == root or val_dir is None:  # (a training folder alone: its share is drawn)
+        return train_dir, classes, _labelled(train_dir, classes, classes), None
+    val_classes = _class_folders(val_dir)
+    extra = sorted(set(val_classes) - set(classes))
+    if extra:
+        raise UserError(f"data.root={root}: {val_dir.name}/ has classes that train/ has not: "
+                        f"{', '.join(extra)}")
+    return (train_dir, classes, _labelled(train_dir, classes, classes),
+            _labelled(val_dir, val_classes, classes))
 
 
 def split_by_name(names: list[str], val_fraction: float, split_seed: int

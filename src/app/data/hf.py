@@ -47,10 +47,8 @@ class HFRows(ImageSet):
                                  name=f"{name} ({path or 'bytes'})")
 
     def subset(self, indices: list[int]) -> HFRows:
-        if indices == list(range(len(self))):
-            return self
-        return HFRows(self.rows.select(indices), self.column,
-                      [self._labels[i] for i in indices], self.mode)
+        return HFRows(self.rows.select(indices), self.column, [self.labels[i] for i in indices],
+                      self.mode)
 
 
 def _datasets() -> Any:
@@ -127,17 +125,11 @@ class HFImages(ImageData):
         if val_split is None:  # the first named like a validation split that has labels
             val_split = next((s for s in VAL_SPLITS if s in splits
                               and not _unlabelled(splits[s][label_column])), None)
-        where = f"data.path={self.path}"
-        names = (train_split,) if val_split is None else (train_split, val_split)
-        sets = []
-        for name in names:  # (bad_files=skip: readable rows only, before a share is drawn)
-            rows = HFRows(splits[name], image_column, _labels(
-                splits[name][label_column], to_label, name, label_column), self.mode)
-            sets.append(rows.subset(self.readable(rows.load, len(rows), where)))
-        if val_split is None:
-            train_idx, val_idx = split(len(sets[0]), val_fraction, self.split_seed)
-            sets = [sets[0].subset(train_idx.tolist()), sets[0].subset(val_idx.tolist())]
-        self.use(classes, sets[0], sets[1], where)
+        train, val = (None if name is None else HFRows(splits[name], image_column, _labels(
+            splits[name][label_column], to_label, name, label_column), self.mode)
+            for name in (train_split, val_split))
+        self.use(classes, train, val, f"data.path={self.path}", lambda rows: [
+            indices.tolist() for indices in split(len(rows), val_fraction, self.split_seed)])
 
 
 def _unlabelled(values: list[Any]) -> bool:

@@ -12,6 +12,7 @@ import itertools
 import logging
 import math
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,9 @@ class ImageSet(Dataset):
         self._mean, self._std = stats[0][:, None, None], stats[1][:, None, None]  # (views)
 
     def load(self, index: int) -> Image.Image:
+        raise NotImplementedError
+
+    def subset(self, indices: list[int]) -> ImageSet:
         raise NotImplementedError
 
     def __len__(self) -> int:
@@ -140,17 +144,31 @@ class ImageData(DataModule):
         self.classes: list[str] = []
         self._normalised = False  # by `prepare`, or by a checkpoint (`load_state_dict`)
 
-    def readable(self, load: Any, count: int, where: str) -> list[int]:
-        """The indices of the images a subclass found (`load(index)` decodes one): all of them,
-        or with bad_files=skip those that decode (each is decoded once; the others are
-        counted in a warning). Called before a validation share is drawn, so that it shares
-        out readable images only."""
+    def use(self, classes: list[str], train: ImageSet, val: ImageSet | None, where: str,
+            draw: Callable[[ImageSet], tuple[list[int], list[int]]]) -> None:
+        """Take the two sets a subclass found (of `classes`, `where`): with bad_files=skip, the
+        images that decode only; without `val`, the training and validation indices that
+        `draw(train)` gives (drawn after the skip: it shares out readable images only)."""
+        train, val = (images if images is None else self._readable(images, where)
+                      for images in (train, val))
+        if val is None:
+            train, val = (train.subset(indices) for indices in draw(train))
+        self.classes, self.num_classes = list(classes), len(classes)
+        train.view(self.input_shape[1:], self.stats, self._augment)
+        val.view(self.input_shape[1:], self.stats, None)
+        self.train, self.val, self.where = train, val, where
+        log.info("%s: %d classes (%s), %d training and %d validation images", where,
+                 self.num_classes, _listed(self.classes), len(train), len(val))
+
+    def _readable(self, images: ImageSet, where: str) -> ImageSet:
+        """bad_files=skip: the images that decode (each decoded once; the others counted in a
+        warning)."""
         if self.bad_files == "fail":
-            return list(range(count))
+            return images
         kept, bad = [], []
-        for index in range(count):
+        for index in range(len(images)):
             try:
-                load(index)
+                images.load(index)
                 kept.append(index)
             except BadImage as e:
                 bad.append(str(e))
@@ -158,18 +176,9 @@ class ImageData(DataModule):
             log.warning("data.bad_files=skip: %d unreadable image(s) left out; the first: %s",
                         len(bad), bad[0])
         if not kept:
-            raise UserError(f"{where}: none of the {count} images of a split is readable; the "
-                            f"first: {bad[0]}")
-        return kept
-
-    def use(self, classes: list[str], train: ImageSet, val: ImageSet, where: str) -> None:
-        """Take the two sets (of `classes`, found `where`)."""
-        self.classes, self.num_classes = list(classes), len(classes)
-        train.view(self.input_shape[1:], self.stats, self._augment)
-        val.view(self.input_shape[1:], self.stats, None)
-        self.train, self.val, self.where = train, val, where
-        log.info("%s: %d classes (%s), %d training and %d validation images", where,
-                 self.num_classes, _listed(self.classes), len(train), len(val))
+            raise UserError(f"{where}: none of the {len(images)} images of a split is readable; "
+                            f"the first: {bad[0]}")
+        return images.subset(kept)
 
     def prepare(self) -> None:
         """The normalisation: given, or computed from the training images (once: a checkpoint
