@@ -6,9 +6,6 @@ whatever names it gets. Every name is put in place with `os.replace`, so a crash
 moment leaves the previous file under each name intact. `last.pt` is named before `best.pt`,
 and each checkpoint records whether it was the best: a crash between the two names leaves a
 `last.pt` that says so, and a resume names it `best.pt` (`layout.repair_names`).
-
-This module knows files, not what a checkpoint holds: its keys and the check of a loaded file's
-structure are `app.checkpoint.layout`'s; every restore is `app.checkpoint.manager`'s.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ from app.files import sync_dir
 
 
 def save(state: dict[str, Any], path: Path) -> None:
-    """Write `state` to `path` atomically: temporary file, flush, fsync, rename. On failure
-    (a full or read-only disk) the temporary file is removed and the error raised."""
+    """Write `state` to `path` atomically; on failure the temporary file is removed."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # (prune: `.*.tmp`)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,27 +54,23 @@ def not_written(path: Path, reason: str | None) -> AppError:
 
 
 def put(new: Path, name: Path) -> None:
-    """Rename `new` (a file or a directory) to `name`, replacing what has that name. A rename
-    replaces a file, or a symbolic link, at once; a directory (a sharded checkpoint of the
-    same step), or a file where a directory comes, is first renamed aside and removed once
-    `new` has its place: `name` is never gone with nothing renamed over it but for the
-    moment between the two renames, and never half-deleted."""
-    if name.is_dir() and not name.is_symlink() or (new.is_dir() and name.is_file()
-                                                    and not name.is_symlink()):
+    """Rename `new` (a file or a directory) to `name`, replacing what has that name. A
+    directory (a sharded checkpoint of the same step), or a file where a directory comes,
+    cannot be renamed over: it is renamed aside first and removed once `new` has its place,
+    so `name` is never half-deleted."""
+    aside = None
+    if not name.is_symlink() and (name.is_dir() or new.is_dir() and name.is_file()):
         aside = name.with_name(f".{name.name}.{os.getpid()}.old.tmp")
         os.replace(name, aside)
-        os.replace(new, name)
-        sync_dir(name.parent)
+    os.replace(new, name)
+    sync_dir(name.parent)
+    if aside is not None:
         _remove(aside)
-    else:
-        os.replace(new, name)
-        sync_dir(name.parent)
 
 
 def link(source: Path, name: Path) -> None:
-    """Give the checkpoint `source` a second name, replacing whatever had that name,
-    atomically: a hard link to a file, a symbolic link (relative: the run directory may move)
-    to a sharded checkpoint's directory."""
+    """Give the checkpoint `source` a second name, atomically: a hard link to a file, a
+    symbolic link (relative: the run directory may move) to a sharded checkpoint's directory."""
     tmp = name.with_name(f".{name.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     if source.is_dir():
@@ -101,8 +93,8 @@ def periodic_name(step: int) -> str:
 
 
 def _remove(path: Path) -> None:
-    """Delete a file, a link, or a directory: renamed out of its name first, so that a kill
-    while it is deleted leaves no half-deleted checkpoint under a name that is read."""
+    """Delete a file, a link, or a directory (renamed out of its name first: a kill while it
+    is deleted leaves no half-deleted checkpoint under a name that is read)."""
     if path.is_dir() and not path.is_symlink():
         if not path.name.endswith(".tmp"):
             aside = path.with_name(f".{path.name}.{os.getpid()}.old.tmp")
@@ -130,15 +122,13 @@ def prune(directory: Path, keep: int) -> None:
 
 
 def remove_stale(directory: Path) -> None:
-    """Before a run's first save: the checkpoints, files or directories, that a killed write
-    left under a temporary name."""
+    """Before a run's first save: what a killed write left under a temporary name."""
     for stale in directory.glob(".*.tmp"):
         _remove(stale)
 
 
 def read(path: str | Path) -> Any:
-    """Read a checkpoint file with `weights_only=True`: a user-facing error naming the file if
-    it cannot be read. What it holds is checked by `layout.load`, which calls this."""
+    """Read a checkpoint file with `weights_only=True`; a user-facing error if it cannot be."""
     path = Path(path)
     if path.is_dir():
         if (path / "meta.pt").is_file() or any(path.glob("*.distcp")):

@@ -1,8 +1,5 @@
 """The checkpoint's layout, in one place: its entries, its format version, the check of a
-loaded checkpoint's structure, reading one (a file or a sharded directory), and finding the one
-a run directory resumes from. File I/O (`io`: atomic writes, links, pruning), the sharded format
-(`sharded`) and the background writer (`writer`) sit below; a training run's saves and
-restores are `manager`'s, which holds the run's parts by the names of their entries here.
+loaded checkpoint's structure, and finding the one a run directory resumes from.
 
 One file holds a plain dict:
 
@@ -61,14 +58,13 @@ class TrainedAt(NamedTuple):
 # ---- reading and checking a file -------------------------------------------------------------
 
 def load(path: str | Path, resume: bool = False) -> dict[str, Any]:
-    """Read a checkpoint, a file or a sharded directory, and check its structure (`check`): a
-    user-facing error if it is not one, or (with `resume`) not one a run can resume from.
-    With `resume`, a sharded checkpoint's tensors stay on disk (its model, optimizer and EMA
-    entries are empty here): the resume reads them into the run's own (`manager`)."""
+    """Read a checkpoint, a file or a sharded directory, and `check` it. With `resume`, a
+    sharded checkpoint's tensors stay on disk (its model, optimizer and EMA entries are empty
+    here): the resume reads them into the run's own (`manager`)."""
     path = Path(path)
     if not sharded.is_sharded(path):
         state = io.read(path)
-    elif resume:  # (empty stand-ins for what the shards hold: the checks see it there)
+    elif resume:
         stand_ins = dict.fromkeys(sharded.tensor_groups(path), {})
         state = sharded.join(sharded.read_meta(path), stand_ins)
     else:
@@ -97,9 +93,8 @@ def _check_weights(weights: Any, path: Path, where: str) -> None:
 
 
 def check(state: Any, path: Path, resume: bool = False) -> None:
-    """The structure every reader relies on: a format this app reads, weights that are
-    tensors (the EMA's too), a loop record of counters, a config of dicts; with `resume`,
-    everything a resume reads. No reader then meets a KeyError or a TypeError."""
+    """The structure every reader relies on (with `resume`, everything a resume reads): no
+    reader then meets a KeyError or a TypeError."""
     if not isinstance(state, dict) or "model" not in state:
         raise UserError(f"checkpoint {path}: not an app checkpoint (no 'model' entry)")
     version = state.get("format", FORMAT_VERSION)
@@ -146,9 +141,8 @@ def check(state: Any, path: Path, resume: bool = False) -> None:
 
 
 def entries(parts: dict[str, Any], file: bool) -> dict[str, Any]:
-    """The states of a run's parts (by name) as the checkpoint's entries: the loop's best an
-    entry of its own; the optimizer's parameter names listed, and its state numbered in a
-    `file` (by name in shards)."""
+    """The states of a run's parts (by name) as the checkpoint's entries; the optimizer's
+    state numbered in a `file` (by name in shards)."""
     loop, optimizer = parts["loop"], parts["optimizer"]
     state = {**parts, "loop": {k: v for k, v in loop.items() if k != "best"},
              "best": loop["best"]}
@@ -179,10 +173,9 @@ def inference_weights(state: dict[str, Any]) -> dict[str, Any]:
 # ---- a run directory's checkpoints -----------------------------------------------------------
 
 def latest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint of a run directory that loads (`load` for a resume): last.pt,
-    else the periodic ones, newest first; each that does not load is named in a warning. None
-    when there is no checkpoint at all; an error when there are some and none loads (a run is
-    never silently started afresh over checkpoints that exist)."""
+    """The newest checkpoint of a run directory that loads for a resume: last.pt, else the
+    periodic ones, newest first. None when there is none; an error when there are some and
+    none loads (a run is never silently started afresh over checkpoints that exist)."""
     candidates = [directory / "last.pt", *sorted(directory.glob("step-*.pt"), reverse=True)]
     bad = []
     for path in (c for c in candidates if c.exists()):
@@ -206,8 +199,7 @@ def latest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
 
 def repair_names(directory: Path, path: Path, state: dict[str, Any]) -> None:
     """Give the checkpoint a run resumes from the names a crash kept it from getting:
-    `last.pt` (when it was not under that name) and `best.pt` (when it records that it was
-    the best: a crash between the `last.pt` and `best.pt` links left the older best)."""
+    `last.pt`, and `best.pt` when it records that it was the best."""
     if path.resolve().parent != directory.resolve():
         return  # resume=PATH of another run: its names are not ours to change
     wanted = [directory / "last.pt"] + ([directory / "best.pt"] if state.get("is_best") else [])

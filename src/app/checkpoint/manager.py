@@ -1,11 +1,9 @@
 """The checkpoints of one training run: saving its state (as a file, or sharded under
-`distributed.strategy=fsdp`) through the background writers, and restoring a run from one
-(resume, or weights only for a new schedule).
+`distributed.strategy=fsdp`) and restoring a run from one (resume, or weights only).
 
-The manager holds the run's parts by name, as torchtitan's CheckpointManager does: each part
-offers `state_dict()` and `load_state_dict()` (torch's `Stateful` protocol), and its state is
-the checkpoint's entry of that name (app.checkpoint.layout). The training side builds the
-mapping (app.training.loop); the manager knows the names, not what the parts are."""
+The manager holds the run's parts by name, as torchtitan's CheckpointManager does: each is
+torch's `Stateful`, and its state is the checkpoint's entry of that name (app.checkpoint.layout).
+The training side builds the mapping; the manager knows the names, not what the parts are."""
 
 from __future__ import annotations
 
@@ -81,7 +79,12 @@ class CheckpointManager:
             log.info("loaded weights from %s; training starts a new schedule", cfg.ckpt)
 
     def _resume(self, path: Path, state: dict[str, Any]) -> None:
-        restore.check_same_optimizer(state, path, self.cfg.optimizer)
+        trained = ((state.get("config") or {}).get("optimizer") or {}).get("_target_")
+        if trained not in (None, self.cfg.optimizer.get("_target_")):
+            raise UserError(f"checkpoint {path} was trained with optimizer {trained}, this run has "
+                            f"{self.cfg.optimizer.get('_target_')}: resume with the same "
+                            f"optimizer, or start a new schedule from its weights with "
+                            f"ckpt={path} resume=null")
         if sharded.is_sharded(path):
             state = self._read_shards(path, state)
         restore.fitting(self.states["model"].state_dict(), state["model"], state, path)
@@ -106,9 +109,8 @@ class CheckpointManager:
         self.resumed_from = path
 
     def _read_shards(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
-        """Each rank reads its part of a sharded checkpoint's tensors into the run's own (DCP
-        reshards one written by another number of ranks; a model that is not sharded reads
-        them whole): `state` with them."""
+        """`state` with this rank's part of a sharded checkpoint's tensors, read into the run's
+        own (DCP reshards one written by another number of ranks)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -139,9 +141,8 @@ class CheckpointManager:
                         "this run's weights with run=RUN_DIR (docs/runs.md)", ", ".join(changed))
 
     def save(self, val_metrics: dict[str, float] | None, is_best: bool, last: bool) -> None:
-        """Every rank calls it, and takes every part's state (the random states are
-        gathered); rank 0 writes, or under fsdp every rank its shards. The `last` save of a
-        run is waited for."""
+        """Every rank calls it; rank 0 writes, or under fsdp every rank its shards. The `last`
+        save of a run is waited for."""
         state = {"format": layout.FORMAT_VERSION, **layout.entries(
             {name: part.state_dict() for name, part in self.states.items()}, not self.sharded),
             "is_best": is_best,  # what `repair_names` gives best.pt after a crash

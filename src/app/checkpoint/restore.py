@@ -1,6 +1,5 @@
 """A checkpoint's weights against a model: every mismatch named, or the weights that fit
-loaded; the optimizer it was trained with; the weights and data state that inference uses.
-What a checkpoint holds and its checks are app.checkpoint.layout's."""
+loaded."""
 
 from __future__ import annotations
 
@@ -18,11 +17,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 def load_for_inference(model: torch.nn.Module, data: DataModule, path: str | Path
                        ) -> TrainedAt:
-    """Give `model` the weights of the checkpoint at `path` that validation used (the EMA's
-    when the run kept one), and `data` what it learnt in that training (so inputs are seen as
-    training saw them); returns where in its training the checkpoint was written."""
+    """Give `model` the weights of the checkpoint at `path` that validation used, and `data`
+    what it learnt in that training; returns where in its training the checkpoint was written."""
     state = load(path)
     data.load_state_dict(state.get("data") or {})  # first: other classes are named as such
     data.prepare()  # (what a checkpoint without the data's state leaves to learn)
@@ -33,7 +32,7 @@ def load_for_inference(model: torch.nn.Module, data: DataModule, path: str | Pat
 def load_model_weights(model: Any, state: dict[str, Any], path: str | Path, strict: bool = True,
                        weights: dict[str, Any] | None = None, fine_tuning: bool = False) -> None:
     """Load a checkpoint's model weights into `model` (a module, or a part such as
-    app.checkpoint.sharded.Weights), naming every mismatch if they do not fit (`fitting`)."""
+    app.checkpoint.sharded.Weights), or name every mismatch (`fitting`)."""
     theirs = state["model"] if weights is None else weights
     model.load_state_dict(fitting(model.state_dict(), theirs, state, path, strict, fine_tuning),
                           strict=strict)
@@ -42,12 +41,8 @@ def load_model_weights(model: Any, state: dict[str, Any], path: str | Path, stri
 def fitting(ours: dict[str, Any], theirs: dict[str, Any], state: dict[str, Any],
             path: str | Path, strict: bool = True, fine_tuning: bool = False) -> dict[str, Any]:
     """The weights `theirs` of a checkpoint (`state`) that fit a model's, `ours`: all of them,
-    or an error naming every mismatch.
-
-    `strict=False` (fine-tuning a changed model): the weights whose names and shapes match,
-    the others reported. `fine_tuning`: the load is `ckpt=` of training, where
-    `ckpt_strict=false` is the way to a changed model, so a mismatch points to it.
-    """
+    or an error naming every mismatch; `strict=False`, those whose names and shapes match.
+    `fine_tuning` (`ckpt=` of training): a mismatch points to `ckpt_strict=false`."""
     missing = sorted(set(ours) - set(theirs))
     unexpected = sorted(set(theirs) - set(ours))
     wrong_shape = [
@@ -86,13 +81,3 @@ def fitting(ours: dict[str, Any], theirs: dict[str, Any], state: dict[str, Any],
         )
     return theirs
 
-
-def check_same_optimizer(state: dict[str, Any], path: str | Path, current: dict[str, Any]
-                         ) -> None:
-    """A checkpoint of another optimizer class is an error naming both."""
-    trained = ((state.get("config") or {}).get("optimizer") or {}).get("_target_")
-    if trained not in (None, current.get("_target_")):
-        raise UserError(
-            f"checkpoint {path} was trained with optimizer {trained}, this run has "
-            f"{current.get('_target_')}: resume with the same optimizer, or start a new "
-            f"schedule from its weights with ckpt={path} resume=null")

@@ -3,13 +3,11 @@
 A save gives every tensor of the state a host buffer (kept and reused from one save to the
 next, page-locked for GPU tensors). Tensors that only the optimizer step changes (weights,
 optimizer state, EMA weights: the bulk of a checkpoint) are copied by the writer thread while
-the loop runs the next forward and backward; the update (optimizer step, EMA) waits for
-that copy (`hold_until_copied`, which the train step calls first). The rest (buffers such
-as batch-norm statistics, which a forward changes) is copied at once. The thread then writes
-the copy with the same atomic `app.checkpoint.io.save` (temporary file, fsync, rename), so a crash
-during the write leaves the previous checkpoint intact. One write is in flight at a time, so
-memory stays bounded at one copy of the state; a write error is raised at the loop's next
-save or wait.
+the loop runs the next forward and backward; the update waits for that copy
+(`hold_until_copied`). The rest (buffers such as batch-norm statistics, which a forward
+changes) is copied at once. The thread then writes the copy with `app.checkpoint.io.save`.
+One write is in flight at a time, so memory stays bounded at one copy of the state; a write
+error is raised at the loop's next save or wait.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,24 +31,21 @@ log = logging.getLogger(__name__)
 
 class BackgroundWrites:
     """What both writers share (this module's and app.checkpoint.sharded's): one write in
-    flight at a time, in a thread whose error is raised in the loop's thread at `wait`, and
-    the count and time of the saves."""
+    flight at a time, in a thread whose error `wait` raises in the loop's thread, and the
+    count and time of the saves."""
 
     def __init__(self, background: bool) -> None:
         self.background = background
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._in_flight: Future | None = None
         self.saves = 0
         self.waited_s = 0.0  # how long the loop was held up by saves (the final wait aside)
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk; raise its error, if any."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        write, self._in_flight = self._in_flight, None
+        if write is not None:
+            write.result()
 
     def _begin(self) -> float:
         start = time.perf_counter()
@@ -59,20 +55,13 @@ class BackgroundWrites:
         return start
 
     def _run(self, write: Callable[[], None], name: str, start: float) -> float:
-        """`write` in a thread of its own (in the background; its error is raised at the
-        loop's next save or wait), or here; returns the seconds the caller was blocked."""
-        def run() -> None:
-            try:
-                write()
-            except BaseException as e:
-                self._error = e
-
+        """`write` in the writer thread (in the background) or here; returns the seconds the
+        caller was blocked."""
         if self.background:
-            self._thread = threading.Thread(target=run, name=name)
-            self._thread.start()
+            self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix=name)
+            self._in_flight = self._pool.submit(write)
         else:
-            run()
-            self.wait()
+            write()
         self.waited_s += time.perf_counter() - start
         return time.perf_counter() - start
 
@@ -80,7 +69,7 @@ class BackgroundWrites:
 class CheckpointWriter(BackgroundWrites):
     def __init__(self, background: bool = True) -> None:
         super().__init__(background)
-        self._buffers: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor | None] = []
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._copied = threading.Event()
         self._copied.set()
@@ -140,14 +129,10 @@ class CheckpointWriter(BackgroundWrites):
     def _buffer(self, i: int, like: torch.Tensor) -> torch.Tensor:
         """The i-th host buffer, reused when its shape and dtype still fit."""
         self._from_cuda |= like.device.type == "cuda"
-        if i < len(self._buffers):
-            buffer = self._buffers[i]
-            if buffer.shape == like.shape and buffer.dtype == like.dtype:
-                return buffer
-        buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu",
-                             pin_memory=like.device.type == "cuda")
-        if i < len(self._buffers):
-            self._buffers[i] = buffer
-        else:
-            self._buffers.append(buffer)
+        if i == len(self._buffers):
+            self._buffers.append(None)
+        buffer = self._buffers[i]
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = self._buffers[i] = torch.empty(like.shape, dtype=like.dtype, device="cpu",
+                                                    pin_memory=like.device.type == "cuda")
         return buffer
