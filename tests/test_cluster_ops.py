@@ -223,9 +223,9 @@ def test_a_queued_job_runs_the_code_it_was_submitted_with(tmp_path) -> None:
             _scancel(sweep)
 
 
-def test_the_snapshot_copies_what_the_jobs_import_in_the_order_they_search(tmp_path,
-                                                                           monkeypatch) -> None:
-    from hydra_plugins.app_submitit._snapshot import TooLarge, take
+def test_the_snapshot_copies_what_the_jobs_import_in_the_order_they_search(
+        tmp_path, monkeypatch, caplog) -> None:
+    from hydra_plugins.app_submitit._snapshot import take
 
     project, lib = tmp_path / "project", tmp_path / "lib"
     for folder, name in ((project, "train_mine.py"), (lib, "mylib.py")):
@@ -243,8 +243,10 @@ def test_the_snapshot_copies_what_the_jobs_import_in_the_order_they_search(tmp_p
     assert (Path(first.paths[2]) / "app" / "__main__.py").is_file()  # app's own source
     assert 'export PYTHONPATH="' + ":".join(first.paths) in first.setup_lines()[0]
     assert take(tmp_path / "sweep", max_mb=100).where.name == "2"  # a new one per submission
-    with pytest.raises(TooLarge, match=r"over hydra.launcher.snapshot_max_mb=1e-06: raise it"):
+    with pytest.raises(SystemExit) as refused:  # (exit 2, in one line: nothing is submitted)
         take(tmp_path / "sweep", max_mb=1e-6)
+    assert refused.value.code == 2
+    assert "over hydra.launcher.snapshot_max_mb=1e-06: raise it" in caplog.text
 
 
 def test_a_sweep_directory_of_other_values_is_refused(tmp_path) -> None:

@@ -1,7 +1,6 @@
-"""What Slurm says of jobs (`scontrol show job`, which lists a job until MinJobAge after its
-end and counts its restarts; `sacct` for older ones where accounting exists) and of itself
-(`scontrol show config`, `partition`, `node`). Every query returns None (or leaves a job out)
-when Slurm does not answer: the callers fall back on what the run directories say."""
+"""What Slurm says of jobs (`scontrol show job` until MinJobAge after their end, then `sacct`
+where accounting exists) and of itself. Every query returns None (or leaves a job out) when
+Slurm does not answer: the callers fall back on what the run directories say."""
 
 from __future__ import annotations
 
@@ -43,13 +42,12 @@ def run(command: list[str]) -> str | None:
 
 
 def _fields(line: str) -> dict[str, str]:
-    """`scontrol -o` output: KEY=VALUE pairs separated by spaces (a value has no space,
-    except a few free-text fields we do not read)."""
+    """`scontrol -o` output: KEY=VALUE pairs (only free-text fields we do not read hold spaces)."""
     return dict(item.split("=", 1) for item in line.split() if "=" in item)
 
 
 def _show(kind: str, key: str) -> dict[str, dict[str, str]] | None:
-    """`scontrol show KIND` (job, partition, node): each one's fields by its `key` field."""
+    """`scontrol show KIND`: each one's fields by its `key` field."""
     out = run(["scontrol", "--oneliner", "show", kind])
     return None if out is None else {
         f[key]: f for f in map(_fields, out.splitlines()) if key in f}
@@ -66,8 +64,7 @@ def _task_ids(spec: str) -> list[str]:
 
 
 def jobs() -> dict[str, Job] | None:
-    """Every job the controller lists (queued, running, and ended within MinJobAge), by id:
-    "123" for a plain job, "123_4" for task 4 of array 123."""
+    """Every job the controller lists, by id ("123", or "123_4" for task 4 of array 123)."""
     listed = _show("job", "JobId")
     if listed is None:
         return None
@@ -84,8 +81,7 @@ def jobs() -> dict[str, Job] | None:
 
 
 def states(job_ids: list[str]) -> dict[str, Job] | None:
-    """The jobs `job_ids` as Slurm knows them: None when Slurm does not answer; a job it no
-    longer lists anywhere (nor sacct, where there is accounting) is GONE: it ended."""
+    """The jobs `job_ids` (None: Slurm does not answer); one listed nowhere is GONE: it ended."""
     known = jobs()
     if known is None:
         return None
@@ -120,8 +116,7 @@ def nodes() -> dict[str, dict[str, str]] | None:
 
 
 def minutes(limit: str) -> float | None:
-    """A Slurm time limit ("UNLIMITED", "60", "1:00:00", "2-12:00:00") in minutes; None for no
-    limit."""
+    """A Slurm time limit ("UNLIMITED", "60", "1:00:00", "2-12:00:00") in minutes, or None."""
     if not limit or limit in ("UNLIMITED", "INFINITE", "NONE"):
         return None
     days, _, rest = limit.rpartition("-")

@@ -1,17 +1,10 @@
-"""The Optuna sweeper of `hparams_search=...`, made resumable: the study is kept in the sweep
-directory (`SWEEP/optuna_study.pkl`, its trials, written before each batch of trials starts
-and at the end), and the same command with the same `hydra.sweep.dir` continues to the
-requested total of completed trials instead of starting again. Trials it adds take job numbers
-after the earlier ones, so no new trial resumes an old trial's run directory; a trial the
-interruption cut off is dropped (it never reported) and another takes its place. (Neither
-Hydra's plugin nor lightning-hydra-template does this: Hydra #3328, lightning-hydra-template
-#535.) A file and not Optuna's own database: the sweeper pins optuna 2.x, whose database
-storage fails with the SQLAlchemy 2 that the other packages need. `hydra.sweeper.storage`
-set to a database URL keeps Optuna's own storage, resumed the same way.
-
-Defined only where hydra-optuna-sweeper is installed (an optional extra): Hydra imports every
-plugin module at start-up, and a missing extra must not warn on every run.
-"""
+"""The Optuna sweeper, made resumable (Hydra #3328): the study's trials are kept in
+`SWEEP/optuna_study.pkl` before each batch and at the end, and the same command continues to
+the requested total of completed trials. New trials take job numbers after the earlier ones;
+those an interruption cut off run again first, in their own run directories. A file, not
+Optuna's database: the sweeper pins optuna 2.x, whose database storage fails with SQLAlchemy 2
+(a `hydra.sweeper.storage` URL is resumed the same way). Defined only where the optional
+hydra-optuna-sweeper is installed: Hydra imports every plugin module at start-up."""
 
 from __future__ import annotations
 
@@ -35,8 +28,7 @@ except ImportError:  # (the optional extra is not installed)
 
 def _save(path: Path, storage: Any, study_name: str, next_job: int,
           running_from: int | None = None) -> None:
-    """The trials told so far; those still running (the batch now starting, or the one an
-    interruption cut off) with the job number of the first of them, to run again there."""
+    """The trials told so far, and those still running with the first one's job number."""
     import optuna
 
     from app.files import write_bytes_atomically
@@ -51,9 +43,8 @@ def _save(path: Path, storage: Any, study_name: str, next_job: int,
 
 
 def _reseed(impl: Any, count: int) -> None:
-    """A seeded sampler starts its random numbers again in each process: a resumed study would
-    draw the first trials' random suggestions again. Seed it with the seed plus the trials
-    done (optuna 2.x keeps its generators in these attributes)."""
+    """Seed a seeded sampler with the seed plus the trials done: else a resumed study draws
+    the first trials' suggestions again (optuna 2.x keeps its generators here)."""
     import numpy
 
     seed = OmegaConf.select(impl.config, "hydra.sweeper.sampler.seed", default=None)
@@ -63,8 +54,7 @@ def _reseed(impl: Any, count: int) -> None:
 
 
 def resume(impl: Any) -> Path | None:
-    """Give the sweeper the sweep directory's study, with the trials done so far and the
-    number still to run; the file that keeps it (None: the user's own database keeps it)."""
+    """Give the sweeper its study so far; the file that keeps it (None: the user's database)."""
     import optuna
 
     sweep_dir = Path(str(impl.config.hydra.sweep.dir)).resolve()
@@ -87,18 +77,13 @@ def resume(impl: Any) -> Path | None:
         impl.storage = optuna.storages.InMemoryStorage()
         with warnings.catch_warnings():  # ("add_trial is experimental" in optuna 2.x)
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.create_study(study_name=impl.study_name, storage=impl.storage,
-                                directions=impl._get_directions()).add_trials(kept["trials"])
-        done, next_job = kept["trials"], kept["next_job"]
-        if kept.get("running"):
-            # Cut off by the interruption: run again first, in their own run directories
-            # (job numbers), where they resume from their checkpoints.
-            study = optuna.load_study(study_name=impl.study_name, storage=impl.storage)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                for params in kept["running"]:
-                    study.enqueue_trial(params)
-            next_job = kept["running_from"]
+            study = optuna.create_study(study_name=impl.study_name, storage=impl.storage,
+                                        directions=impl._get_directions())
+            study.add_trials(kept["trials"])
+            for params in kept.get("running", []):  # (cut off: they resume where they ran)
+                study.enqueue_trial(params)
+        done = kept["trials"]
+        next_job = kept["running_from"] if kept.get("running") else kept["next_job"]
     if done:
         _reseed(impl, len(done))
         complete = sum(t.state == optuna.trial.TrialState.COMPLETE for t in done)

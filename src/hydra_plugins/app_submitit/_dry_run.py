@@ -1,7 +1,6 @@
-"""What a Slurm submission asks for, checked against the cluster: `hydra.launcher.dry_run=true`
-prints the sbatch script of each array, the arithmetic and every request the cluster cannot
-grant, and submits nothing; a real submission is refused (`refuse_never_runs`) where no node
-could ever run the job, which sbatch accepts and leaves pending forever."""
+"""`hydra.launcher.dry_run=true`: each array's sbatch script, the arithmetic and every request
+the cluster cannot grant; nothing is submitted. A real submission is refused where no node
+could ever run the job: sbatch accepts it, and it pends forever."""
 
 from __future__ import annotations
 
@@ -53,7 +52,6 @@ def invalid(params: dict[str, Any], max_num_failures: int) -> list[str]:
 
 
 def problems(params: dict[str, Any]) -> list[str]:
-    """What the cluster would refuse or never run."""
     partitions, nodes = slurm.partitions(), slurm.nodes()
     if partitions is None or nodes is None:
         return ["Slurm does not answer here (scontrol failed): nothing could be checked"]
@@ -67,33 +65,30 @@ def problems(params: dict[str, Any]) -> list[str]:
                 f"{', '.join(unknown)}; the cluster has {', '.join(sorted(partitions))}"]
     found = [f"partition {name} is {partitions[name]['State']}: jobs would wait"
              for name in names if partitions[name].get("State", "UP") != "UP"]
-    return found + (never_runs(params, partitions, nodes) or [])
+    return found + never_runs(params, partitions, nodes)
 
 
 def requested(params: dict[str, Any], partitions: dict[str, dict[str, str]]) -> list[str]:
-    """The partitions a job asks for: `partition` (a comma-separated list: Slurm runs the job
-    in the first that can), or the cluster's default."""
+    """`partition` (a list: Slurm runs the job in the first that can), or the default one."""
     given = params.get("partition") or next(
         (name for name, f in partitions.items() if f.get("Default") == "YES"), "")
     return [name.strip() for name in str(given).split(",") if name.strip()]
 
 
 def never_runs(params: dict[str, Any], partitions: dict[str, dict[str, str]] | None,
-               nodes: dict[str, dict[str, str]] | None) -> list[str] | None:
-    """Why none of the requested partitions could ever run the job ([] when one can; None when
-    Slurm did not answer, or for a partition the cluster lacks: sbatch refuses that itself)."""
+               nodes: dict[str, dict[str, str]] | None) -> list[str]:
+    """Why none of the requested partitions could ever run the job; [] when one can, when
+    Slurm did not answer, or for a partition the cluster lacks (sbatch refuses that itself)."""
     names = requested(params, partitions) if partitions and nodes is not None else []
     if not names or any(name not in partitions for name in names):
-        return None
+        return []
     found = [_never_runs_on(params, name, partitions, nodes) for name in names]
-    return [] if not all(found) else [line for lines in found for line in lines]
+    return [line for lines in found for line in lines] if all(found) else []
 
 
 def refuse_never_runs(params: dict[str, Any], num_jobs: int) -> None:
-    """Exit 2 before sbatch when the partition could never run the job."""
-    found = never_runs(params, slurm.partitions(), slurm.nodes())
+    found, one = never_runs(params, slurm.partitions(), slurm.nodes()), num_jobs == 1
     if found:
-        one = num_jobs == 1
         refuse("Slurm would never start %s (%s wait forever): %s. Ask for less or choose "
                "another hydra.launcher.partition; hydra.launcher.dry_run=true checks a request",
                "the job" if one else f"the {num_jobs} jobs", "it would" if one else
@@ -102,8 +97,6 @@ def refuse_never_runs(params: dict[str, Any], num_jobs: int) -> None:
 
 def _never_runs_on(params: dict[str, Any], name: str, partitions: dict[str, dict[str, str]],
                    nodes: dict[str, dict[str, str]]) -> list[str]:
-    """What partition `name` could never run: over its time or node limit, more CPUs per node
-    than it allows, more CPUs, memory or GPUs than any of its nodes offers."""
     found: list[str] = []
     part = partitions[name]
     limit = slurm.minutes(part.get("MaxTime", ""))
@@ -141,15 +134,13 @@ def _never_runs_on(params: dict[str, Any], name: str, partitions: dict[str, dict
 
 
 def _offers(node: dict[str, str]) -> tuple[int, int | None, int]:
-    """A node's CPUs, memory (MB; None where it is not configured: RealMemory=1, Slurm's
-    default) and GPUs."""
+    """A node's CPUs, memory (MB; None for RealMemory=1, Slurm's default: not set) and GPUs."""
     real = int(node.get("RealMemory", "1") or 1)
     return int(node.get("CPUTot", "0") or 0), None if real <= 1 else real, \
         slurm.gpus(node.get("Gres", ""))
 
 
 def _over(params: dict[str, Any], offered: list[tuple[int, int | None, int]]) -> str:
-    """The keys that ask more than the largest of these nodes offers."""
     tasks, per_task = params["tasks_per_node"], params.get("cpus_per_task") or 1
     over = []
     if per_task * tasks > max(o[0] for o in offered):
@@ -166,7 +157,7 @@ def _over(params: dict[str, Any], offered: list[tuple[int, int | None, int]]) ->
 
 
 def chunks(nums: list[int], max_array_size: int | None) -> list[list[int]]:
-    """The jobs of each array to submit: an array's task ids must stay below MaxArraySize."""
+    """The jobs of each array: an array's task ids must stay below MaxArraySize."""
     size = max(1, max_array_size or len(nums))
     return [nums[start:start + size] for start in range(0, len(nums), size)]
 
@@ -181,7 +172,7 @@ def arrays(nums: list[int], params: dict[str, Any], on_slurm: bool
 
 
 def after(executor: Any, params: dict[str, Any], previous: str | None) -> None:
-    """The next array waits for array `previous` to end (None: for nothing)."""
+    """The next array waits for array `previous` (None: for nothing)."""
     extra = dict(params.get("additional_parameters") or {})
     executor.update_parameters(slurm_additional_parameters={
         **extra, **({"dependency": f"afterany:{previous}"} if previous else {})})
@@ -190,8 +181,7 @@ def after(executor: Any, params: dict[str, Any], previous: str | None) -> None:
 def report(executor: Any, params: dict[str, Any], max_num_failures: int,
            overrides: dict[int, list[str]], run_dirs: dict[int, Path], on_slurm: bool,
            batch: int | None = None) -> int:
-    """Print the sbatch scripts, the jobs, the arithmetic and the problems found; the exit
-    status (2: a problem, 0: none). `batch`: the sweeper's max_batch_size."""
+    """Print it all; the exit status (2: a problem). `batch`: the sweeper's max_batch_size."""
     from hydra.core.utils import filter_overrides
 
     from app._private import sbatch_script

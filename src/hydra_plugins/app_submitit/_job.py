@@ -1,6 +1,5 @@
 """The job's side, a mixin of `launcher._AppSubmititLauncher`: each job's config composed and
-validated in the submitting process (with its slice of this machine's GPUs for a local
-sweep), and what runs in the job (`__call__`), which fails its task when the job failed."""
+validated before submission, and what runs in the job (`__call__`)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from . import log, refuse
 
 
 def device_slice(job_num: int, devices: int | str, ids: list[str]) -> list[str] | None:
-    """The devices of local job `job_num`: slot job_num mod (len(ids) // devices). More jobs
-    than slots share slots round-robin. None when there is nothing to split."""
+    """The devices of local job `job_num`, round-robin; None when there is nothing to split."""
     if devices == "auto" or len(ids) < 2 or devices >= len(ids):
         return None
     slot = job_num % (len(ids) // devices)
@@ -30,18 +28,14 @@ def uses_job_id(config: DictConfig) -> bool:
     return "hydra.job.id" in str(OmegaConf.to_container(config.hydra.sweep)["subdir"])
 
 
-def with_job_id(config: DictConfig, job_id: str) -> None:
-    """Give a job's composed config the id its scheduler gave it (its run directory may be
-    named by it)."""
+def with_job_id(config: DictConfig, job_id: str) -> None:  # (a run directory may be named by it)
     with read_write(config.hydra.job), open_dict(config.hydra.job):
         config.hydra.job.id = job_id
 
 
 class ComposedOnce:
-    """Hydra's sweepers compose each job's config to check the batch, and throw it away (some
-    0.1-0.2 s a job). Wrapped around the config loader's `load_sweep_config`, it keeps those,
-    and `take` hands each to the launcher once (jobs with the same overrides get one each);
-    with none kept (a sweeper that does not check), `take` composes. `forget` after a batch."""
+    """Hydra's sweepers compose each job's config to check the batch and throw it away (0.1-0.2
+    s a job): wrapped around `load_sweep_config`, this keeps them for the launcher to `take`."""
 
     def __init__(self, load: Any) -> None:
         self.load, self.kept = load, {}
@@ -61,9 +55,6 @@ class ComposedOnce:
 
 
 class JobSide:
-    """(Its attributes are the launcher's: params, config, hydra_context, composed,
-    max_num_failures.)"""
-
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function,  # type: ignore
                       config=config)
@@ -102,7 +93,7 @@ class JobSide:
         return config
 
     def _share_devices(self, config: DictConfig, cfg: Any, job_num: int) -> None:
-        """Local jobs run side by side: give each its own slice of this machine's GPUs."""
+        """Local jobs run side by side: each gets its own slice of this machine's GPUs."""
         if self._EXECUTOR != "local":
             return
         import os
@@ -172,9 +163,8 @@ class JobSide:
 
     @staticmethod
     def _fail_if_recorded(run_dir: Path) -> None:
-        """A job that is this one process (one task) returns NaN when it fails, so that a local
-        sweep goes on (app/__main__.py); its task must still exit non-zero for Slurm to mark
-        the job FAILED. rank 0 of a job of many tasks raises instead."""
+        """A one-task job returns NaN when it fails, so that a local sweep goes on
+        (app/__main__.py); its task must still exit non-zero for Slurm to mark it FAILED."""
         from app.env import this_process
         from app.errors import JobFailed
         from app.reporting.results import read_result

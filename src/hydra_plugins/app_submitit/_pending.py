@@ -1,7 +1,5 @@
-"""Jobs that wait for a person, named while the submitting command waits: a held job, a
-partition down, a request over its partition's or its QOS's per-job limits. Named once, and
-again when the reason changes, from the states the launcher polls anyway (_slurm_states:
-squeue's reason), so that this adds no call to Slurm."""
+"""Jobs that wait for a person (held, a partition down, a request over a per-job limit), named
+while the submitting command waits: once per reason, from the states polled anyway."""
 
 from __future__ import annotations
 
@@ -18,13 +16,11 @@ NEVER = TOO_LARGE | {"PartitionDown", "PartitionInactive", "DependencyNeverSatis
 
 
 def held(reason: str) -> bool:
-    """JobHeldUser, JobHeldAdmin, "launch failed requeued held", "job requeued in held state"
-    (squeue writes some with spaces, scontrol with underscores)."""
+    """JobHeldUser, "launch failed requeued held" (squeue's spaces are scontrol's "_")..."""
     return reason.startswith("JobHeld") or "held" in reason.replace("_", " ").split()
 
 
 def stuck(state: str, reason: str) -> bool:
-    """Whether a job waits for something that does not come by itself: a person must act."""
     if not state.upper().startswith("PENDING"):
         return False
     # QOSMaxCpuPerJobLimit, AssocMaxWallDurationPerJobLimit ...: the job itself is over a
@@ -40,8 +36,7 @@ class Stuck:
         self.said: dict[str, str] = {}  # job id -> the reason named
 
     def check(self, watcher: Any) -> None:
-        """Name each job that became stuck, or stuck for another reason, or no longer stuck,
-        since the last check (from the watcher's last poll: no call to Slurm)."""
+        """Name each job stuck anew, or for another reason, or no longer stuck."""
         for job_id, (state, reason) in sorted(watcher.waiting().items()):
             num = self.nums.get(job_id)
             label = f"slurm job {job_id}" if num is None else f"job #{num} (slurm job {job_id})"
@@ -79,7 +74,7 @@ class Stuck:
                 f"administrators, or {cancel} and submit elsewhere")
 
     def _asks(self) -> str:
-        """What the job asks against what the partition's nodes offer (Slurm asked now)."""
+        """What the job asks against what the partition's nodes offer."""
         from app import slurm
 
         from ._dry_run import never_runs

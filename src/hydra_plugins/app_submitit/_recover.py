@@ -1,8 +1,7 @@
-"""Recovery from transient faults of a Slurm job: after srun, its batch script runs `main`
-(`teardown_lines`), which requeues a job whose task died by a signal (the OOM killer, a crash)
-when no task raised, up to `hydra.launcher.max_num_failures` times (counted in the job's
-folder, apart from submitit's requeues after a time limit). A failed node takes the script
-with it: Slurm requeues the job itself, which counts its restarts at its start."""
+"""After srun, a job's batch script runs `main`, which requeues a job whose task died by a
+signal (the OOM killer, a crash) when no task raised, up to max_num_failures times (counted in
+the job's folder, apart from submitit's requeues at a time limit). A failed node takes the
+script with it: Slurm requeues the job itself, and the job counts its restarts at its start."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ COUNT_FILE = "app-failures"  # one line per requeue after a failure, in the job'
 
 def decide(status: int, errors: int, failures: int, max_failures: int, state: str,
            restarts: int, restart_count: int) -> str | None:
-    """Why the job is requeued (None: it is not). `errors`: tasks whose result holds an
-    exception; `failures`: requeues so far; `restarts`/`restart_count`: Slurm's count now and
-    at this run's start."""
+    """Why the job is requeued (None: it is not). `errors`: tasks that raised; `failures`:
+    requeues so far; `restarts`/`restart_count`: Slurm's count now and at this run's start."""
     if status <= 128 or errors:
         return None  # ended well, or by an exception of the user's code: a failure
     if state not in ("RUNNING", "COMPLETING") or restarts > restart_count:
@@ -63,9 +61,8 @@ def main(argv: list[str]) -> int:
 
 
 def requeued(job: Any, confirm_s: float = 10.0) -> bool:
-    """For the waiting command: whether a job seen in a final state without a result from
-    every task, none of which raised, runs again (the watcher may catch the state it passes
-    on the way to its requeue)."""
+    """Whether a job seen failed, with a task that left no result and none that raised, runs
+    again (the watcher may catch the state it passes on the way to its requeue)."""
     from app import slurm
     from app.sweeps.job_end import outcomes
 
@@ -85,7 +82,6 @@ def requeued(job: Any, confirm_s: float = 10.0) -> bool:
 
 
 def teardown_lines(folder: str, max_failures: int) -> list[str]:
-    """The batch script's lines after srun ($? is srun's status there)."""
     return ["app_srun_status=$?",
             f"{sys.executable} -m hydra_plugins.app_submitit._recover \"$app_srun_status\" "
             f"'{folder}' {max_failures}",
@@ -93,8 +89,8 @@ def teardown_lines(folder: str, max_failures: int) -> list[str]:
 
 
 def check_restarts(max_timeouts: int, max_failures: int) -> str | None:
-    """At a job's start: why it must not run again (restarted more often than timeouts and
-    failures allow: Slurm's own requeues after node failures count as failures)."""
+    """At a job's start: why it must not run (restarted more often than allowed: Slurm's own
+    requeues after node failures count as failures)."""
     count = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     if count > max_timeouts + max_failures:
         return (f"restarted {count} times, more than hydra.launcher.max_num_timeout="

@@ -1,10 +1,6 @@
-"""Job states for the submitting command: from sacct, or from squeue where sacct fails.
-
-submitit reads sacct only: without accounting (the local test cluster, many small ones)
-every state stays UNKNOWN, and a job that ends without a result from every task is waited for
-forever. `squeue --states=all` lists a finished job, with its final state, for MinJobAge
-seconds (300 by default); a job it no longer lists at all has ended too.
-"""
+"""Job states from sacct, or from squeue where sacct fails: submitit reads sacct only, and
+without accounting (many small clusters) a job that ends without a result from every task
+would be waited for forever. squeue lists a finished job for MinJobAge seconds (GONE after)."""
 
 from __future__ import annotations
 
@@ -16,9 +12,8 @@ from app.slurm import FINAL
 
 from . import log
 
-# Ours, not Slurm's: squeue no longer lists the job (the controller forgot it after MinJobAge).
-GONE = "GONE"
-assert GONE in FINAL  # the states after which a job never runs again
+GONE = "GONE"  # ours, not Slurm's: squeue no longer lists the job
+assert GONE in FINAL
 
 
 class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
@@ -39,8 +34,7 @@ class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
         self._finished.discard(job_id)
         self._info_dict.pop(job_id, None)
 
-    def update(self) -> None:
-        """One call for every job not yet finished (as submitit's own update)."""
+    def update(self) -> None:  # (as submitit's, which warns at every poll where sacct fails)
         ids = sorted({x.split("_")[0] for x in self._registered - self._finished})
         if not ids:
             return
@@ -102,8 +96,7 @@ class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
                 info[job_id] = {**info[job_id], "Reason": fields["Reason"]}
 
     def waiting(self) -> dict[str, tuple[str, str]]:
-        """Each job not finished -> (state, why it waits: Slurm's reason), as last polled
-        (no call to Slurm); the reason is "" where none was read."""
+        """Each job not finished -> (state, Slurm's reason or ""), as last polled."""
         return {job_id: (fields["State"], fields.get("Reason", ""))
                 for job_id in self._registered - self._finished
                 if (fields := self._info_dict.get(job_id, {})).get("State")}

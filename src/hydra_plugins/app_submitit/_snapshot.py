@@ -1,11 +1,8 @@
-"""The code snapshot of a Slurm submission: the folders the jobs import from (the working
-directory, each PYTHONPATH folder, app's own source when it is not in site-packages; of each,
-the files git tracks or does not ignore, else its `.py` files), copied into the sweep
-directory, so that editing the working tree never changes a queued job nor its requeues.
-The jobs import from the copy: it goes first on PYTHONPATH, and PYTHONSAFEPATH=1 keeps the
-job's working directory off sys.path. (submitit's RsyncSnapshot copies one git repository's
-tracked files and needs rsync.)
-"""
+"""The code snapshot of a Slurm submission, so that editing the working tree never changes a
+queued job nor its requeues: every folder the jobs import from, copied into the sweep
+directory and first on their PYTHONPATH (PYTHONSAFEPATH=1 keeps the working directory off
+sys.path). Not submitit's RsyncSnapshot: it copies one git repository's tracked files only
+(a module not yet added would be missing) and needs rsync."""
 
 from __future__ import annotations
 
@@ -16,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import log, refuse
+
 FOLDER = ".code"  # in the sweep directory: one numbered snapshot per submission
 
 
@@ -23,23 +22,16 @@ FOLDER = ".code"  # in the sweep directory: one numbered snapshot per submission
 class Snapshot:
     where: Path
     paths: list[str]  # the import folders in the copy, in the order they are searched
-    files: int
-    size: int  # bytes
 
     def setup_lines(self) -> list[str]:
-        """sbatch lines (before srun, whose tasks inherit them) that make the jobs import
-        from the copy."""
+        """sbatch lines before srun, whose tasks inherit them."""
         joined = os.pathsep.join(self.paths)
         return [f'export PYTHONPATH="{joined}${{PYTHONPATH:+{os.pathsep}$PYTHONPATH}}"',
                 "export PYTHONSAFEPATH=1"]
 
 
-class TooLarge(Exception):  # noqa: N818 (reads as what happened)
-    pass
-
-
 def import_roots() -> list[Path]:
-    """The folders this process imports user code and app from, in search order."""
+    """The working directory, PYTHONPATH, app's source outside site-packages, in order."""
     import app
 
     roots = [Path.cwd()] if sys.version_info >= (3, 11) else []
@@ -51,7 +43,7 @@ def import_roots() -> list[Path]:
 
 
 def files_of(root: Path) -> list[Path]:
-    """The files to copy of an import folder, relative to it."""
+    """The files git tracks or does not ignore (else the `.py` files), relative to `root`."""
     try:
         # Tracked files and new ones git does not ignore (a module not yet added is still
         # imported: missing from the copy of its package, it could not be found at all).
@@ -73,13 +65,12 @@ def files_of(root: Path) -> list[Path]:
 
 
 def _environment(folder: Path) -> bool:
-    """A virtualenv or conda environment inside an import folder (the jobs run in theirs):
-    not code to copy, and often gigabytes."""
+    """A virtualenv or conda environment (the jobs run in theirs; often gigabytes)."""
     return (folder / "pyvenv.cfg").is_file() or (folder / "conda-meta").is_dir()
 
 
 def take(sweep_dir: Path, max_mb: float) -> Snapshot:
-    """Copy the import folders into sweep_dir/.code/N (N: this submission's number)."""
+    """Copy the import folders into sweep_dir/.code/N (N: one more per submission)."""
     roots = import_roots()
     # A folder inside another one is found in that one's copy (the working directory and
     # its src/, say): copied once.
@@ -87,10 +78,9 @@ def take(sweep_dir: Path, max_mb: float) -> Snapshot:
     plan = {root: files_of(root) for root in copied}
     size = sum((root / f).stat().st_size for root, files in plan.items() for f in files)
     if size > max_mb * 1e6:
-        raise TooLarge(
-            f"the code snapshot would copy {size / 1e6:.1f} MB ({', '.join(map(str, copied))}), "
-            f"over hydra.launcher.snapshot_max_mb={max_mb:g}: raise it, or submit without a "
-            f"snapshot (hydra.launcher.code_snapshot=false)")
+        refuse("the code snapshot would copy %.1f MB (%s), over hydra.launcher.snapshot_max_mb="
+               "%g: raise it, or submit without a snapshot (hydra.launcher.code_snapshot=false)",
+               size / 1e6, ", ".join(map(str, copied)), max_mb)
     base = sweep_dir / FOLDER
     base.mkdir(parents=True, exist_ok=True)
     number = 1 + max((int(p.name) for p in base.iterdir() if p.name.isdigit()), default=0)
@@ -103,4 +93,6 @@ def take(sweep_dir: Path, max_mb: float) -> Snapshot:
             shutil.copy2(root / name, target)
     outer = {root: next(o for o in copied if o == root or o in root.parents) for root in roots}
     paths = [str(dest[outer[root]] / root.relative_to(outer[root])) for root in roots]
-    return Snapshot(where, paths, sum(map(len, plan.values())), size)
+    log.info("code snapshot: %d files (%.1f MB) in %s; the jobs and their requeues import "
+             "from it", sum(map(len, plan.values())), size / 1e6, where)
+    return Snapshot(where, paths)

@@ -1,6 +1,5 @@
-"""The submission itself, a mixin of `launcher._AppSubmititLauncher`: a sweep's jobs as
-arrays that fit the cluster, each recorded as it is submitted, one command per sweep
-directory at a time, following the jobs an earlier submission left queued."""
+"""The submission, a mixin of `launcher._AppSubmititLauncher`: arrays that fit the cluster,
+each recorded as it is submitted, following the jobs an earlier submission left queued."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ from ._job import with_job_id
 class SubmitSide:
     def _submit(self, submitit: Any, executor: Any, overrides: dict[int, list[str]],
                 sweep_dir: Path) -> dict[int, Any]:
-        """Submit every job not still queued or running from an earlier submission into the
-        same sweep directory (those are followed); record them all. One command at a time (an
-        OS lock): another one submitting there meanwhile would submit the same jobs again."""
+        """Submit the jobs an earlier submission left in no queue (the others are followed).
+        One command at a time: another one submitting there would submit the same jobs."""
         from app.errors import LockHeld
         from app.launch.run_lock import held_now
 
@@ -61,17 +59,19 @@ class SubmitSide:
         fresh = [num for num in nums if num not in jobs]
         self.followed = len(jobs)  # (from an earlier submission)
         if fresh and self._EXECUTOR == "slurm" and self.code_snapshot:
-            self._snapshot(executor, sweep_dir)
+            from ._snapshot import take
+
+            executor.update_parameters(slurm_setup=self._setup_lines() + take(
+                sweep_dir, self.snapshot_max_mb).setup_lines())
         self._record(list(jobs), overrides, sweep_dir, submitted=False)
         self._submit_arrays(submitit, executor, fresh, overrides, sweep_dir)
         return jobs
 
     def _record(self, nums: list[int], overrides: dict[int, list[str]], sweep_dir: Path,
                 submitted: bool = True) -> None:
-        """Record jobs `nums` as soon as they are known, each array as it is submitted: a
-        command stopped between two arrays leaves its jobs on record, for the same command to
-        follow and a sweep of other values to be refused. (A job followed from an earlier
-        submission, `submitted=False`, keeps the config it was submitted with.)"""
+        """Record jobs `nums` as soon as they are known: a command stopped between two arrays
+        leaves them on record, to be followed. (A job followed, `submitted=False`, keeps the
+        config it was submitted with.)"""
         from app.sweeps import record as sweep_record
 
         for num in nums:  # (a run directory may be named by its job id)
@@ -85,25 +85,11 @@ class SubmitSide:
              "run_dir": str(self._run_dir(num)), "tasks": self._num_tasks()}
             for num in sorted(self.jobs)], self.wait, str(self.params["submitit_folder"]))
 
-    def _snapshot(self, executor: Any, sweep_dir: Path) -> None:
-        """Copy the code into the sweep directory; the jobs' script imports from the copy."""
-        from ._snapshot import TooLarge, take
-
-        try:
-            snapshot = take(sweep_dir, self.snapshot_max_mb)
-        except TooLarge as e:
-            refuse("%s", e)
-        log.info("code snapshot: %d files (%.1f MB) in %s; the jobs and their requeues import "
-                 "from it", snapshot.files, snapshot.size / 1e6, snapshot.where)
-        executor.update_parameters(slurm_setup=self._setup_lines() + snapshot.setup_lines())
-
     def _num_tasks(self) -> int:
         return int(self.params["nodes"]) * int(self.params["tasks_per_node"])
 
     def _submit_arrays(self, submitit: Any, executor: Any, nums: list[int],
                        overrides: dict[int, list[str]], sweep_dir: Path) -> None:
-        """Submit `nums` as job arrays that fit the cluster's MaxArraySize (_dry_run.arrays),
-        each recorded as it is submitted (into self.jobs, and `_record`)."""
         from submitit.core.utils import FailedJobError, FailedSubmissionError
 
         from ._dry_run import after, arrays
@@ -133,8 +119,7 @@ class SubmitSide:
             after(executor, self.params, None)
 
     def _refused_submission(self, e: Exception) -> None:
-        """sbatch refused the job (a partition that does not exist, a limit): its own words
-        (submitit's error holds its stderr), each line once, in one line."""
+        """sbatch's own words (submitit's error holds its stderr), each line once, in one."""
         text = str(e)
         said = [line.strip().removeprefix("sbatch: error:").strip()
                 for line in text.splitlines() if "sbatch: error" in line]

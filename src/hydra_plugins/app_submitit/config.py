@@ -1,14 +1,8 @@
-"""app's launcher options: in app, `hydra/launcher=submitit_slurm` and `submitit_local` run
-app's launchers (launcher.py); in every other Hydra program they stay the stock ones.
-
-Typed nodes, subclasses of the stock schemas. Hydra offers no per-program choice of a node of
-the same name (a YAML file of that name in app's conf/ is validated against the stock
-schema, with a deprecation warning), so the choice is made where Hydra builds a program's
-config search path, after its plugin scan and before it composes anything (`AppLaunchers`):
-app's nodes take the stock names when the program's primary config folder is app's conf/;
-for any other program the stock nodes are put back if app's had taken their place. Nothing
-of app (or torch) is imported: the check reads only this file's location.
-"""
+"""In app, `hydra/launcher=submitit_slurm` and `submitit_local` are app's launchers (typed
+nodes, subclasses of the stock schemas); in every other Hydra program they stay the stock ones.
+Hydra has no per-program choice of a node of the same name (a YAML file of that name is
+validated against the stock schema), so it is made where Hydra builds a program's search path,
+after its plugin scan and before it composes (`AppLaunchers`). Nothing of app is imported."""
 
 # (No `from __future__ import annotations`: Hydra's scan executes this module outside
 # sys.modules, where dataclasses cannot resolve string annotations.)
@@ -27,9 +21,7 @@ GPUS = II("app_gpus_per_node:${accelerator},${devices}")
 
 @dataclass
 class AppSlurmConf(SlurmQueueConf):
-    """SLURM through submitit, with app's launcher (validates before submitting; a failing
-    task fails the job). You state devices and nodes once: one task per device, each task one
-    rank."""
+    """SLURM through submitit: one task (rank) per device, devices and nodes stated once."""
 
     _target_: str = "hydra_plugins.app_submitit.launcher.AppSlurmLauncher"
     tasks_per_node: int = II("app_tasks_per_node:${devices}")  # one task (rank) per device
@@ -53,8 +45,7 @@ class AppSlurmConf(SlurmQueueConf):
 
 @dataclass
 class AppLocalConf(LocalQueueConf):
-    """Local submitit jobs (one process per job, which spawns `devices` workers), with app's
-    launcher: validates before submitting; a failing job is reported as failed."""
+    """Local submitit jobs: one process per job, which starts its `devices` workers."""
 
     _target_: str = "hydra_plugins.app_submitit.launcher.AppLocalLauncher"
     tasks_per_node: int = 1  # the job's process spawns its `devices` workers itself
@@ -62,9 +53,7 @@ class AppLocalConf(LocalQueueConf):
     timeout_min: int = 60  # time limit of a job, minutes
 
 
-# app's config tree, found from this file (app/conf_dir.py finds it the same way from app's):
-# the repository's conf/ beside src/ (a checkout, an editable install), or the copy a wheel
-# installs beside this package (app/conf), or that copy named as a package.
+# app's conf/ beside src/ (a checkout), or the copy a wheel installs (app/conf; as app/conf_dir.py)
 _HERE = Path(__file__).resolve().parent  # .../hydra_plugins/app_submitit
 _APP_CONF = {_HERE.parents[2] / "conf", _HERE.parents[1] / "app" / "conf"}
 _NODES = {"submitit_slurm": (AppSlurmConf, SlurmQueueConf),
@@ -73,7 +62,7 @@ _PROVIDER = "app"
 
 
 def is_app(search_path: ConfigSearchPath) -> bool:
-    """Whether the program composing is app: its primary config folder is app's conf/."""
+    """Whether the program's primary config folder is app's conf/."""
     for element in search_path.get_path():
         if element.provider != "main" or element.path is None:
             continue
@@ -86,8 +75,7 @@ def is_app(search_path: ConfigSearchPath) -> bool:
 
 
 def choose_launchers(app: bool) -> None:
-    """app's nodes under the stock names for app; the stock nodes (as the stock plugin stores
-    them) for any other program, where app's had been stored. Nothing is stored otherwise."""
+    """app's nodes under the stock names for app; the stock ones back for any other program."""
     store = ConfigStore.instance()
     for name, (ours, stock) in _NODES.items():
         current = store.repo.get("hydra", {}).get("launcher", {}).get(f"{name}.yaml")
@@ -99,8 +87,7 @@ def choose_launchers(app: bool) -> None:
 
 
 class AppLaunchers(SearchPathPlugin):
-    """Adds no search path: the hook Hydra calls after its plugin scan, with the program's
-    search path (see the docstring)."""
+    """Adds no search path: the hook Hydra calls with the program's (see the docstring)."""
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
         choose_launchers(is_app(search_path))

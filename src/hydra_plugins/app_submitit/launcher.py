@@ -1,10 +1,7 @@
-"""hydra-submitit-launcher, extended for app: every job's config is composed and validated
-before anything is submitted, and travels with the job (_job.py); a task whose job raised
-exits non-zero, so that srun ends its peers and Slurm marks the job FAILED; a job that ends
-without a result from every task ends the wait in one line (states from squeue where sacct
-fails: _slurm_states.py); Ctrl-C stops the waiting, not the jobs. Requeues after a time limit
-are submitit's own (the stock `checkpoint`); after a killed task or a failed node, _recover's.
-"""
+"""hydra-submitit-launcher, extended for app: the jobs' configs are composed and validated
+before anything is submitted (_job.py); a job that ends without a result from every task ends
+the wait in one line; Ctrl-C stops the waiting, not the jobs. Requeues after a time limit are
+submitit's own (the stock `checkpoint`); after a killed task or a failed node, _recover's."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ from . import log, refuse
 from ._job import JobSide, uses_job_id
 from ._submitting import SubmitSide
 
-# Before the user's `hydra.launcher.setup` lines: srun ends a job's other tasks when one
-# exits non-zero (a failed rank), instead of waiting for them.
+# srun ends a job's other tasks when one exits non-zero (a failed rank), not waiting for them
 KILL_ON_BAD_EXIT = "export SLURM_KILL_BAD_EXIT=1"
 
 
@@ -42,9 +38,9 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         self.code_snapshot = params.pop("code_snapshot", False)
         self.max_num_failures = params.pop("max_num_failures", 0)
         self.snapshot_max_mb = params.pop("snapshot_max_mb", 100)
-        self.followed = 0  # jobs of this sweep followed from an earlier submission
+        self.followed = 0  # jobs followed from an earlier submission
         self.jobs: dict[int, Any] = {}  # num -> job: followed, and submitted so far
-        self.in_sbatch = False  # an array's submission has begun and not returned
+        self.in_sbatch = False
         super().__init__(**params)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
@@ -131,8 +127,7 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
             exit_on(e, log.error, "the waiting ended, not the jobs")
 
     def _executor(self, submitit: Any) -> Any:
-        """submitit's executor, set up as in the stock launcher: plugin keys that are not shared
-        by every executor get the executor's prefix (srun_args -> slurm_srun_args)."""
+        """submitit's executor, set up as the stock launcher does."""
         params = dict(self.params)
         folder = params.pop("submitit_folder")
         init = {f"{self._EXECUTOR}_max_num_timeout": params.pop("max_num_timeout")} \
@@ -149,7 +144,6 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         return executor
 
     def _setup_lines(self) -> list[str]:
-        """app's line, then the user's `setup` lines."""
         return [KILL_ON_BAD_EXIT, *(self.params.get("setup") or [])]
 
     def _refuse_sweepers_that_need_results(self) -> None:
@@ -162,7 +156,7 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
 
     def _detached(self, jobs: dict[int, Any], overrides: dict[int, list[str]],
                   sweep_dir: Path) -> list[JobReturn]:
-        """wait=false: one line per job and how to follow them; no result is waited for."""
+        """wait=false: one line per job and how to follow them."""
         for num in sorted(jobs):
             log.info("job #%d (%s job %s): %s -> %s", num, self._EXECUTOR, jobs[num].job_id,
                      " ".join(filter_overrides(overrides[num])) or "(no overrides)",
@@ -184,16 +178,14 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         return ret
 
     def _run_dir(self, num: int) -> Path:
-        """Job `num`'s run directory; one named by a job id not given yet (before submission,
-        `hydra.sweep.subdir=${hydra.job.id}`) is shown as `SWEEP/(job id)`."""
+        """Job `num`'s run directory (`SWEEP/(job id)` before a job id names it)."""
         config = self.composed[num]
         if uses_job_id(config) and OmegaConf.is_missing(config.hydra.job, "id"):
             return Path(str(config.hydra.sweep.dir), "(job id)")
         return Path(str(config.hydra.sweep.dir), str(config.hydra.sweep.subdir))
 
     @staticmethod
-    def _wait(job: Any, stuck: Any) -> None:
-        """job.wait(), naming each job of the launch that waits for a person (_pending.py)."""
+    def _wait(job: Any, stuck: Any) -> None:  # job.wait(), naming the jobs that wait for a person
         while not job.done():
             if stuck is not None:
                 stuck.check(job.watcher)  # (the states polled anyway: no call to Slurm)
@@ -231,13 +223,12 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         return self._returned(num, overrides, math.nan)
 
     def _record_end(self, num: int, status: str, error: str) -> None:
-        """Record in the run directory how Slurm ended the job, for the sweep's summary: a
-        killed task wrote nothing, and a job cancelled while queued has no directory yet. A
-        final record the job's rank 0 wrote itself (it may be writing it now) is kept."""
+        """Record how Slurm ended the job, for the sweep's summary (a killed task wrote nothing);
+        a final record the job's rank 0 wrote itself is kept."""
         from app.files import write_text_atomically
         from app.reporting.results import RESULT, read_result
 
-        run_dir = self._run_dir(num)  # (its .hydra/ was written at submission: _record)
+        run_dir = self._run_dir(num)
         run_dir.mkdir(parents=True, exist_ok=True)
         earlier = read_result(run_dir)
         if earlier.get("status") in (None, "running", f"unreadable {RESULT}"):
@@ -246,7 +237,7 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
                 indent=2) + "\n")
 
     def _report_left(self) -> None:
-        """After Ctrl-C: the jobs that go on without this command, and how to follow them."""
+        """After Ctrl-C: the jobs that go on without this command."""
         from app.slurm import FINAL
 
         if not self.jobs:
