@@ -26,17 +26,8 @@ CHECKPOINTS = {"best": "best.pt", "last": "last.pt"}
 
 def given_keys(overrides: list[str]) -> set[str]:
     """The config keys a command line sets: `model=mlp` -> model, `+data.x=1` -> data.x."""
-    keys = set()
-    for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key and not key.startswith("hydra"):
-            keys.add(key.split("@", 1)[0])
-    return keys
-
-
-def _covers(given: set[str], key: str) -> bool:
-    """Whether the command line sets `key` or a part of it."""
-    return any(g == key or g.startswith(key + ".") for g in given)
+    keys = {override.split("=", 1)[0].lstrip("+~").split("@", 1)[0] for override in overrides}
+    return {key for key in keys if key and not key.startswith("hydra")}
 
 
 def _set(given: set[str], leaf: str) -> bool:
@@ -101,7 +92,7 @@ def apply_run(composed: DictConfig, overrides: list[str]) -> DictConfig:
         for key in TAKEN:
             if key not in saved:
                 continue
-            if not _covers(given, key):
+            if not _set(given, key):
                 composed[key] = saved[key]
                 continue
             mine = leaves(composed._get_node(key), key)
