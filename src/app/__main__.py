@@ -31,9 +31,6 @@ from app.signals import exit_on, raise_on_sigterm, stop_signals_stop_nothing
 
 log = logging.getLogger("app")
 
-# conf/ at the top of the repository, or the copy inside an installed wheel (app.conf_dir).
-CONFIG_DIR = str(config_dir())
-
 reproducible_matmuls()  # before MKL's first call, in this process and every worker
 register_schemas()
 register_resolvers()
@@ -50,11 +47,12 @@ except UserError as e:  # (MPI variables without MASTER_ADDR): one line, before 
 job_started = False
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
+@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> float | None:
     global job_started
     job_started = True
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     started = time.monotonic()
     env = this_process()
     # SIGTERM before the loop or the launcher of the workers takes it (they stop at a step
@@ -81,11 +79,11 @@ def main(dict_cfg: DictConfig) -> float | None:
         result = launch(cfg, run_dir, env)
         # Before result.json says so: a stop signal once that file says "completed" (the
         # test's cue) must not kill the process. (A sweep's next job has not begun: it may stop.)
-        if HydraConfig.get().mode != RunMode.MULTIRUN:
+        if not sweep:
             stop_signals_stop_nothing()
         if record:
             write_result(run_dir, "completed", time.monotonic() - started)
-            if HydraConfig.get().mode != RunMode.MULTIRUN:  # (a sweep prints its summary)
+            if not sweep:  # (a sweep prints its summary)
                 log.info("run directory: %s", run_dir)
     except BaseException as e:
         stopped = isinstance(e, (Interrupted, KeyboardInterrupt))  # by a signal
@@ -94,9 +92,6 @@ def main(dict_cfg: DictConfig) -> float | None:
         if record and not isinstance(e, RunDirInUse) and not run_record.put_back(run_dir):
             write_result(run_dir, "interrupted" if stopped else "failed",
                          time.monotonic() - started, one_line(e), raise_errors=False)
-        if lock is not None:
-            lock.release()
-        sweep = HydraConfig.get().mode == RunMode.MULTIRUN
         # A refused job of a submitit sweep fails its task (the job must not pass as done,
         # and the run directory's records are the other command's).
         refused_job = isinstance(e, RunDirInUse) and "SUBMITIT_EXECUTOR" in os.environ
@@ -118,8 +113,9 @@ def main(dict_cfg: DictConfig) -> float | None:
         if sweep and not stopped:
             raise  # a rank of a SLURM/torchrun job, a refused submitit job: its task must fail
         sys.exit(e.exit_code)  # a signal stops a whole sweep too; a re-run resumes it
-    if lock is not None:
-        lock.release()
+    finally:
+        if lock is not None:
+            lock.release()
     return result
 
 
