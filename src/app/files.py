@@ -1,8 +1,5 @@
-"""Run files that a full disk must not leave half-written: one way to write them.
-
-A failed write (a full disk, a quota, a read-only mount) removes what it had begun and
-becomes one line (`AppError`) naming the file and why; the file's previous content is intact.
-"""
+"""Run files that a full disk must not leave half-written. A failed write (a full disk, a
+quota, a read-only mount) removes what it had begun and becomes one line naming the file."""
 
 from __future__ import annotations
 
@@ -21,14 +18,11 @@ def write_failed(path: Path, e: OSError) -> WriteFailed:
 
 
 def write_text_atomically(path: Path, text: str) -> None:
-    """Write `text` aside and rename it into place: readers see the old file or the new one.
-    The temporary name is this process's own: two processes that write the same file (the
-    launchers of a nodes=N run on a shared directory) must not rename each other's."""
     write_bytes_atomically(path, text.encode())
 
 
 def write_bytes_atomically(path: Path, data: bytes) -> None:
-    """`write_text_atomically` for bytes (a picture drawn into memory first)."""
+    """Write `data` aside and rename it into place: readers see the old file or the new one."""
     with written_aside(path) as tmp, open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -51,9 +45,10 @@ def sync_dir(folder: Path) -> None:
 @contextmanager
 def written_aside(path: Path, keep_suffix: bool = False) -> Iterator[Path]:
     """A temporary name beside `path` for a writer that takes a file name (torch's savers),
-    renamed to `path` once the block has written it: a kill or a failure leaves the previous
-    file, or none, under the name, never a part. `keep_suffix`: the temporary name ends as
+    renamed to `path` once the block has written it. `keep_suffix`: the temporary name ends as
     `path` does (torch.export's saver warns about a name without `.pt2`)."""
+    # This process's own name: the launchers of a nodes=N run on a shared directory write the
+    # same files and must not rename each other's.
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}" if keep_suffix else
                          f".{path.name}.{os.getpid()}.tmp")
     try:
