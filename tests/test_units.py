@@ -19,7 +19,7 @@ from app.checkpoint.rng import rng_state, set_rng_state
 from app.errors import AppError, UserError
 from app.reporting.loggers import CSVLogger
 from app.schedulers import constant, step, warmup_cosine
-from app.training.build import ResumableSampler, ShardSampler
+from app.training.build import ResumableSampler, shard_indices
 from app.training.data_errors import DataItemError, NamedItems
 from conftest import make_config
 
@@ -190,7 +190,7 @@ def test_resumable_sampler_skips_without_changing_order() -> None:
 
 def test_shard_sampler_and_helpers_without_process_group() -> None:
     data = torch.utils.data.TensorDataset(torch.arange(7))
-    assert list(ShardSampler(data)) == list(range(7))
+    assert list(shard_indices(data)) == list(range(7))
     assert (dist.rank(), dist.world_size(), dist.is_main(), dist.is_main(local=True)) == (
         0, 1, True, True)
     dist.barrier()

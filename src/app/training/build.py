@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
-import random
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -62,9 +61,8 @@ def build_model(cfg: AppConfig, data: DataModule) -> nn.Module:
 
 def build_trained_model(cfg: AppConfig, data: DataModule
                         ) -> tuple[nn.Module, TrainedAt]:
-    """The model of `cfg` with the weights of `cfg.ckpt` that validation used (EMA's when the
-    run kept one), in eval mode, on the CPU; and the step and epoch they were saved at. `data`
-    takes what it learnt in that training (an image folder's normalisation)."""
+    """The model of `cfg` with the weights of `cfg.ckpt` that validation used, in eval mode, on
+    the CPU; and the step and epoch they were saved at."""
     model = build_model(cfg, data)
     trained_at = load_for_inference(model, data, cfg.ckpt)
     return model.eval(), trained_at
@@ -117,10 +115,8 @@ def build_scheduler(
 
 
 class ResumableSampler(Sampler[int]):
-    """A DistributedSampler that can start an epoch part-way, for exact mid-epoch resume.
-
-    Skipping happens on indices, so skipped batches are never loaded.
-    """
+    """A DistributedSampler that can start an epoch part-way (on indices: the batches skipped
+    are never loaded), for an exact mid-epoch resume."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.inner = DistributedSampler(
@@ -133,43 +129,24 @@ class ResumableSampler(Sampler[int]):
         self.skip = skip
 
     def __iter__(self) -> Iterator[int]:
-        indices = iter(self.inner)
-        for _ in range(self.skip):
-            next(indices)
-        return indices
+        return itertools.islice(self.inner, self.skip, None)
 
     def __len__(self) -> int:
         return len(self.inner) - self.skip
 
 
-class ShardSampler(Sampler[int]):
-    """Rank r takes samples r, r + world, ...: every sample exactly once, no padding."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.indices = range(dist.rank(), len(dataset), dist.world_size())
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
-def seed_worker(worker_id: int) -> None:
-    """Seed Python's and NumPy's generators in a loader worker from torch's, which the loader
-    sets to a different value per worker: workers then never repeat random augmentations."""
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    np.random.seed(seed)
+def shard_indices(dataset: Dataset) -> range:
+    """Rank r takes samples r, r + world, ...: every sample exactly once, no padding (torch's
+    DistributedSampler pads)."""
+    return range(dist.rank(), len(dataset), dist.world_size())
 
 
 def _loader_options(data: DataModule) -> dict[str, Any]:
     workers = data.num_workers > 0
     return {
-        "num_workers": data.num_workers,
+        "num_workers": data.num_workers,  # (each seeds torch, random and NumPy on its own)
         "pin_memory": data.pin_memory and torch.cuda.is_available(),
         "persistent_workers": data.persistent_workers and workers,
-        "worker_init_fn": seed_worker if workers else None,
         # Its own generator keeps the loader from drawing on the global torch RNG (which the
         # model's dropout uses); the loop reseeds it each epoch, so resume stays exact.
         "generator": torch.Generator(),
@@ -185,4 +162,4 @@ def build_train_loader(data: DataModule, seed: int) -> tuple[DataLoader, Resumab
 
 def build_val_loader(data: DataModule) -> DataLoader:
     return Loader(NamedItems(data.val, "validation"), batch_size=data.val_batch_size,
-                  sampler=ShardSampler(data.val), **_loader_options(data))
+                  sampler=shard_indices(data.val), **_loader_options(data))

@@ -149,12 +149,11 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                     raise stopped
                 if done:
                     break
-    report.close_bar()
+    report.close()
     if train_step.skipped:
         log.warning("%d step(s) skipped for a non-finite loss (trainer.skip_nonfinite=true)",
                     train_step.skipped)
     checkpoints.log_totals()
-    report.close()
     log.info("done: step %d, best %s %s", state.step, t.monitor, state.best)
     return state.best
 
@@ -266,11 +265,9 @@ class _Report:
         except Exception as e:  # (the run's own error is the one to report)
             log.warning("the trackers did not close: %s", e)
 
-    def close_bar(self) -> None:
+    def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-    def close(self) -> None:
         if self.logger is not None:
             self.logger.close()
             draw_curves(self.run_dir)

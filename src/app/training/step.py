@@ -15,21 +15,7 @@ from torch import nn
 from app import dist, progress
 from app.errors import AppError, UserError
 from app.training.ema import ModelEMA
-from app.training.sharding import buffer_broadcast
-
-
-def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    if precision == "bf16-mixed":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision == "16-mixed":
-        return torch.autocast(device.type, dtype=torch.float16)
-    return contextlib.nullcontext()
-
-
-def check_precision(precision: str, device: torch.device) -> None:
-    if precision == "16-mixed" and device.type == "cpu":
-        raise UserError("precision=16-mixed needs an accelerator (float16 autocast and loss "
-                        "scaling are for GPUs); on the CPU use precision=bf16-mixed")
+from app.training.sharding import LOW_PRECISION, buffer_broadcast
 
 
 @contextlib.contextmanager
@@ -58,21 +44,25 @@ class TrainStep:
                  grad_clip_norm: float | None, ema: ModelEMA | None,
                  before_update: Callable[[], None] = lambda: None,
                  skip_nonfinite: bool = False, broadcast_buffers: bool = True) -> None:
-        check_precision(precision, device)
+        if precision == "16-mixed" and device.type == "cpu":
+            raise UserError("precision=16-mixed needs an accelerator (float16 autocast and loss "
+                            "scaling are for GPUs); on the CPU use precision=bf16-mixed")
         self.model, self.train_model = model, train_model
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.device, self.precision = device, precision
+        self.device = device
         self.grad_clip_norm, self.ema = grad_clip_norm, ema
         self.before_update = before_update  # called before weights, optimizer state, EMA change
         self.skip_nonfinite = skip_nonfinite
         self.skipped = 0  # steps skipped for a non-finite loss
         self.input_dtype = torch.bfloat16 if precision == "bf16-true" else None
-        # Loss scaling keeps small float16 gradients from flushing to zero.
-        self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
+        # Loss scaling keeps small float16 gradients from flushing to zero (disabled, the
+        # scaler passes everything through).
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "16-mixed")
         # Looked up once: the step runs thousands of times. A model sharded by FSDP2 casts by
         # its own mixed-precision policy (app.training.sharding), not by autocast.
         sharded = hasattr(model, "set_requires_gradient_sync")
-        self.autocast = contextlib.nullcontext() if sharded else autocast_for(precision, device)
+        low = None if sharded else LOW_PRECISION.get(precision)
+        self.autocast = torch.autocast(device.type, dtype=low) if low else contextlib.nullcontext()
         self.no_sync = (lambda: _gradient_sync_off(model)) if sharded else \
             getattr(train_model, "no_sync", None)
         # (DDP broadcasts rank 0's buffers itself.)
@@ -95,14 +85,13 @@ class TrainStep:
                     loss = F.cross_entropy(self.train_model(x), y)
                     if n > 1:
                         loss = loss / n
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                self.scaler.scale(loss).backward()
             losses.append(loss.detach().float())
         if self.sync_buffers is not None:
             self.sync_buffers()
         total = losses[0] if n == 1 else torch.stack(losses).sum()
         if self.grad_clip_norm is not None:
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)  # clip the true gradients
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients
             nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
         if self.skip_nonfinite and not _finite_everywhere(total):
             self.optimizer.zero_grad(set_to_none=True)
@@ -110,11 +99,8 @@ class TrainStep:
             self.skipped += 1
             return total
         self.before_update()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.ema is not None:
@@ -133,14 +119,14 @@ class TrainStep:
         return tensors
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scaler": self.scaler.state_dict() if self.scaler else None,
+        return {"scaler": self.scaler.state_dict(),
                 "ema": self.ema.state_dict() if self.ema else None, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """`{}`: a checkpoint without the train step's state, or a fine-tune's new start
         from the model's weights (the EMA starts from them)."""
         self.skipped = state.get("skipped", 0)
-        if self.scaler is not None and state.get("scaler"):
+        if state.get("scaler"):  # (a disabled scaler loads nothing)
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None:
             if state.get("ema"):
