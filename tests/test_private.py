@@ -5,8 +5,6 @@ An upgrade of PyTorch, Hydra, submitit or Python that moves one fails here, by n
 
 from __future__ import annotations
 
-import subprocess
-
 import torch.distributed as tdist
 
 from app import _private
@@ -26,9 +24,10 @@ def test_the_process_group_store_is_reached_and_cloned(tmp_path) -> None:
         tdist.destroy_process_group()
 
 
-def test_the_slurm_watcher_is_ours_and_reads_sacct_and_squeue(tmp_path, monkeypatch) -> None:
+def test_the_slurm_watcher_is_ours_and_reads_app_slurm(tmp_path, monkeypatch) -> None:
     from submitit.slurm.slurm import SlurmJob
 
+    from app import slurm
     from hydra_plugins.app_submitit._slurm_states import SlurmStates
 
     monkeypatch.setattr(SlurmJob, "watcher", SlurmJob.watcher)  # restored afterwards
@@ -37,17 +36,12 @@ def test_the_slurm_watcher_is_ours_and_reads_sacct_and_squeue(tmp_path, monkeypa
     assert SlurmJob.watcher is watcher
     SlurmJob(folder=tmp_path, job_id="42")  # registers with the watcher
     SlurmJob(folder=tmp_path, job_id="43")
-    out = {"sacct": "JobID|State|NodeList\n42|COMPLETED|n1\n43|RUNNING|n1\n",
-           "squeue": "43|FAILED\n"}
-
-    def run(command: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.CompletedProcess(command, 0, out[command[0]], "")
-
-    monkeypatch.setattr(watcher, "_run", run)
+    states = {"42": slurm.Job("42", "COMPLETED"), "43": slurm.Job("43", "RUNNING")}
+    monkeypatch.setattr(slurm, "states", lambda ids: {i: states[i] for i in ids})
     watcher.update()
     assert watcher.get_state("42", mode="cache") == "COMPLETED" and watcher.is_done("42")
     assert watcher.get_state("43", mode="cache") == "RUNNING"
-    watcher.source = "squeue"  # as after sacct failed
+    states["43"] = slurm.Job("43", "FAILED")
     watcher.update()
     assert watcher.get_state("43", mode="cache") == "FAILED" and watcher.is_done("43")
 

@@ -226,8 +226,8 @@ def test_a_job_cancelled_in_the_queue_ends_the_command(tmp_path) -> None:
         output = log.read_text()
         assert f"job #0 (slurm job {job}) CANCELLED: no result from task 0" in output
         assert "job #0 cancelled" in output  # the summary lists it, with no run of its own
-        # sacct fails on every poll of a cluster without accounting: said once
-        assert output.count("accounting storage is disabled") == 1, output
+        # (sacct fails on every poll of a cluster without accounting: none of it is said)
+        assert "accounting storage is disabled" not in output, output
     finally:
         _end(proc, sweep)
 

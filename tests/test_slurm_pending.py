@@ -153,29 +153,25 @@ def test_a_stuck_job_is_named_once_and_again_when_its_reason_changes(caplog) -> 
                                  "(QOSMaxCpuPerJobLimit)")
 
 
-def test_where_sacct_answers_squeue_says_why_a_pending_job_waits(monkeypatch) -> None:
-    """sacct has no reason: squeue is asked for the pending jobs only, in the same poll."""
+def test_the_watcher_reads_each_jobs_state_and_reason_in_one_poll(monkeypatch) -> None:
+    """scontrol lists a pending array's tasks, with why they wait, in one record: one call per
+    poll (sacct only for a job it no longer lists, which has ended where sacct lists none)."""
     from hydra_plugins.app_submitit._slurm_states import SlurmStates
 
     watcher = SlurmStates()
-    watcher.register_job("42")
-    watcher.register_job("43_0")
-    watcher.register_job("43_1")
-    calls: list[list[str]] = []
-    out = {"sacct": "JobID|State|NodeList\n42|RUNNING|n1\n43_[0-1]|PENDING|None assigned\n",
-           "squeue": "43_0|PENDING|JobHeldUser\n43_1|PENDING|JobHeldUser\n"}
+    for job_id in ("42", "43_0", "43_1", "44"):
+        watcher.register_job(job_id)
+    calls: list[str] = []
+    out = {"scontrol": "JobId=42 JobState=RUNNING Reason=None\nJobId=45 ArrayJobId=43 "
+                       "ArrayTaskId=0-1 JobState=PENDING Reason=JobHeldUser\n", "sacct": ""}
 
-    def run(command: list[str]) -> subprocess.CompletedProcess:
-        calls.append(command)
-        return subprocess.CompletedProcess(command, 0, out[command[0]], "")
+    def run(command: list[str]) -> str:
+        calls.append(command[0])
+        return out[command[0]]
 
-    monkeypatch.setattr(watcher, "_run", run)
+    monkeypatch.setattr(slurm, "run", run)
     watcher.update()
-    assert [c[0] for c in calls] == ["sacct", "squeue"]
-    assert "--jobs=43" in calls[1]  # the pending one only
-    assert watcher.waiting() == {"42": ("RUNNING", ""), "43_0": ("PENDING", "JobHeldUser"),
+    assert calls == ["scontrol", "sacct"]
+    assert watcher.waiting() == {"42": ("RUNNING", "None"), "43_0": ("PENDING", "JobHeldUser"),
                                  "43_1": ("PENDING", "JobHeldUser")}
-    out["sacct"] = "JobID|State|NodeList\n42|RUNNING|n1\n43_0|RUNNING|n1\n43_1|RUNNING|n2\n"
-    calls.clear()
-    watcher.update()
-    assert [c[0] for c in calls] == ["sacct"]  # nothing pends: no squeue
+    assert watcher.get_state("44", mode="cache") == "GONE" and watcher.is_done("44", "cache")
