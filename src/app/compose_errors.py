@@ -1,13 +1,11 @@
 """What app adds to Hydra's report of a config it cannot compose.
 
-Hydra reports a composition error itself (on stderr, exit status 1) before the task function
-runs. `python -m app` then composes the same overrides once more with Hydra's compose API to
-hold the exception, and adds one line after Hydra's report where its words leave the user
-looking: where a config file is not valid YAML (`FILE, line L, column C: problem`), the
-nearest key to a misspelt one (or the new name of a key that moved), the nearest option to an
-unknown one of a config group. The exit status is then 2, bad input, as for the app's own
-checks. Nothing is composed again on a successful run or once a job started; with
-HYDRA_FULL_ERROR=1 Hydra raises instead, and its traceback is left alone.
+After Hydra's own report (exit status 1, before the task function runs), `python -m app`
+composes the same overrides once more with Hydra's compose API to hold the exception, and adds
+one line where Hydra's words leave the user looking: where a config file is not valid YAML,
+the nearest key to a misspelt one (or a moved key's new name), the nearest option of a group.
+The exit status is then 2, bad input. Nothing is composed again once a job started, nor
+with HYDRA_FULL_ERROR=1 (Hydra raises, its traceback left alone).
 """
 
 from __future__ import annotations
@@ -36,9 +34,8 @@ _NOT_HERE = _VALUED - {"-c", "--cfg", "-p", "--package"} | {"-sc", "--shell-comp
 
 
 def after_hydras_report(argv: list[str]) -> int:
-    """For a command Hydra refused before any job started (its exit status 1): print what app
-    adds to Hydra's report, and return the exit status, 2 when the config cannot be composed
-    (bad input), else Hydra's 1."""
+    """Print what app adds to Hydra's report of a refused command; the exit status: 2 when
+    the config cannot be composed, else Hydra's 1."""
     overrides, flags, args = [], {}, iter(argv)
     for arg in args:
         name, eq, value = arg.partition("=")
@@ -56,8 +53,7 @@ def after_hydras_report(argv: list[str]) -> int:
 
 
 def compose_error(overrides: list[str], multirun: bool = False) -> Exception | None:
-    """The exception composing `overrides` raises (None: it composes). In a sweep each job's
-    overrides are composed, one swept value at a time."""
+    """The exception composing `overrides` raises (None: it composes)."""
     register_schemas()  # (done already by the entry; a test or a notebook may not have)
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
@@ -88,8 +84,7 @@ def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
 
 
 def addition(error: BaseException, overrides: list[str]) -> str | None:
-    """The line app adds to Hydra's report of `error`, raised composing `overrides` (None:
-    Hydra's report says it all)."""
+    """The line app adds to Hydra's report of `error` (None: Hydra's says it all)."""
     seen: BaseException | None = error
     while seen is not None:  # (a YAML error may come wrapped)
         if isinstance(seen, yaml.MarkedYAMLError) and (seen.problem_mark or seen.context_mark):
