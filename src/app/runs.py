@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,10 @@ def _size(count: int) -> str:
 
 
 def _number(value: Any, digits: int = 4) -> str:
-    if value is None:
+    if isinstance(value, str):  # (a cell of metrics.csv, or a word such as a status)
+        with suppress(ValueError):
+            value = float(value)
+    if value is None or value == "":
         return "-"
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
@@ -256,16 +260,9 @@ def _side_by_side(a: Path, b: Path) -> list[list[str]]:
         cells = [str(step)]
         for rows_of in (va, vb):
             row = rows_of.get(step, {})
-            cells += [_number(_float(row.get("loss"))), _number(_float(row.get("acc")))]
+            cells += [_number(row.get("loss")), _number(row.get("acc"))]
         rows.append(cells)
     return rows
-
-
-def _float(text: str | None) -> float | None:
-    try:
-        return float(text) if text not in (None, "") else None
-    except ValueError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:
