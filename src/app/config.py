@@ -304,12 +304,11 @@ def validate(cfg: AppConfig) -> None:
             raise UserError(f"dist_url={cfg.dist_url}: port {int(match[2])} is out of range; "
                             f"give a port from 1 to 65535, e.g. tcp://{match[1]}:29500")
     seed_value("seed", cfg.seed)
-    if cfg.logger.mlflow and importlib.util.find_spec("mlflow") is None:  # (an optional extra)
-        raise UserError("logger.mlflow=true needs MLflow: pip install mlflow-skinny "
-                        "(or pip install -e '.[mlflow]')")
-    if cfg.logger.wandb and importlib.util.find_spec("wandb") is None:
-        raise UserError("logger.wandb=true needs Weights & Biases: pip install wandb "
-                        "(or pip install -e '.[wandb]')")
+    for extra, name, package in (("mlflow", "MLflow", "mlflow-skinny"),  # (optional extras)
+                                 ("wandb", "Weights & Biases", "wandb")):
+        if getattr(cfg.logger, extra) and importlib.util.find_spec(extra) is None:
+            raise UserError(f"logger.{extra}=true needs {name}: pip install {package} "
+                            f"(or pip install -e '.[{extra}]')")
     for group in ("model", "data", "optimizer"):
         node = getattr(cfg, group)
         if not isinstance(node, dict) or "_target_" not in node:
