@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from app.checks import whole
 from app.config import LoaderConfig
@@ -83,7 +83,10 @@ class DataModule:
         scaled to [0, 1]: pixels as they are, light high and dark low."""
         from app.data import transforms
 
-        channels, height, width = _image_shape(self.input_shape, path)
+        if len(self.input_shape) != 3 or self.input_shape[0] not in (1, 3):
+            raise UserError(f"{path}: images need a 1- or 3-channel image model; the data's "
+                            f"inputs have shape {list(self.input_shape)}")
+        channels, height, width = self.input_shape
         image = transforms.decode(path, "L" if channels == 1 else "RGB").resize((width, height))
         return transforms.to_tensor(image)
 
@@ -93,21 +96,10 @@ class DataModule:
         return inputs
 
 
-def _image_shape(shape: tuple[int, ...], path: Path) -> tuple[int, int, int]:
-    if len(shape) != 3 or shape[0] not in (1, 3):
-        raise UserError(f"{path}: images need a 1- or 3-channel image model; the data's inputs "
-                        f"have shape {list(shape)}")
-    return shape[0], shape[1], shape[2]
-
-
 def first_samples(dataset: Dataset, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `count` samples of any map-style data set of `(input, target)`, stacked."""
-    if isinstance(dataset, TensorDataset):
-        inputs, targets = dataset.tensors[:2]
-        return inputs[:count], targets[:count]
-    items = [dataset[i] for i in range(min(count, len(dataset)))]  # type: ignore[arg-type]
-    return (torch.stack([torch.as_tensor(x) for x, _ in items]),
-            torch.as_tensor([int(y) for _, y in items]))
+    """The first `count` samples of any map-style data set of `(input, target)`, batched."""
+    inputs, targets = next(iter(DataLoader(dataset, batch_size=count)))
+    return inputs, targets
 
 
 def _shared(dataset: Dataset) -> Dataset:

@@ -103,25 +103,23 @@ class HFImages(ImageData):
             raise UserError(f"data.train_split={train_split}: {self.path} has the splits "
                             f"{', '.join(splits)}")
         train = splits[train_split]
-        for column in (image_column, label_column):
+        for key, column in (("image_column", image_column), ("label_column", label_column)):
             if column not in train.column_names:
-                key = "image_column" if column == image_column else "label_column"
                 raise UserError(f"data.{key}={column}: {self.path} has the columns "
                                 f"{', '.join(train.column_names)}")
         if val_split is not None and val_split not in splits:
             raise UserError(f"data.val_split={val_split}: {self.path} has the splits "
                             f"{', '.join(splits)}")
-        datasets = _datasets()
-        features = train.features
-        if not isinstance(features[image_column], datasets.Image | datasets.Value) or (
-                isinstance(features[image_column], datasets.Value)
-                and features[image_column].dtype not in ("binary", "large_binary", "string")):
-            raise UserError(f"data.image_column={image_column}: not a column of images "
-                            f"({features[image_column]})")
-        if isinstance(features[image_column], datasets.Image):
+        datasets, feature = _datasets(), train.features[image_column]
+        if isinstance(feature, datasets.Image):  # (read undecoded: Pillow decodes it here)
             undecoded = datasets.Image(decode=False)
             splits = {k: v.cast_column(image_column, undecoded) for k, v in splits.items()}
-        classes, to_label = _classes(features[label_column], train[label_column], label_column)
+        elif not isinstance(feature, datasets.Value) or feature.dtype not in (
+                "binary", "large_binary", "string"):
+            raise UserError(f"data.image_column={image_column}: not a column of images "
+                            f"({feature})")
+        classes, to_label = _classes(train.features[label_column], train[label_column],
+                                     label_column)
         if val_split is None:  # the first named like a validation split that has labels
             val_split = next((s for s in VAL_SPLITS if s in splits
                               and not _unlabelled(splits[s][label_column])), None)

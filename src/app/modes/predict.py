@@ -30,6 +30,7 @@ from app.training.build import build_data, build_trained_model
 
 log = logging.getLogger(__name__)
 
+
 def _from_npy(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
     try:
         array = np.load(path, allow_pickle=False)
@@ -104,24 +105,20 @@ class Inputs:
 def _files(files: list[Path], data: DataModule, source: Path) -> Inputs:
     def batches(size: int) -> Batches:
         for start in range(0, len(files), size):
-            yield _decoded(files[start:start + size], data, source), None
+            yield torch.stack([_decoded(f, data, source) for f in files[start:start + size]]), None
 
     return Inputs([str(f) for f in files], batches)
 
 
-def _decoded(files: list[Path], data: DataModule, source: Path) -> torch.Tensor:
-    """Each image seen as the data set sees its validation images."""
-    inputs = []
-    for file in files:
-        try:
-            inputs.append(data.decode_file(file))
-        except BadImage as e:
-            raise UserError(f"predict.input={source}: {e}; remove or replace it") from None
-        except DECODE_ERRORS as e:
-            reason = first_line(e)
-            raise UserError(f"predict.input={source}: {file.name} is not a readable image "
-                            f"({reason}); remove or replace it") from None
-    return torch.stack(inputs)
+def _decoded(file: Path, data: DataModule, source: Path) -> torch.Tensor:
+    """The image seen as the data set sees its validation images."""
+    try:
+        return data.decode_file(file)
+    except BadImage as e:
+        raise UserError(f"predict.input={source}: {e}; remove or replace it") from None
+    except DECODE_ERRORS as e:  # (a data set's own decode_file)
+        raise UserError(f"predict.input={source}: {file.name} is not a readable image "
+                        f"({first_line(e)}); remove or replace it") from None
 
 
 def load_inputs(source: str | None, data: DataModule) -> Inputs:
@@ -132,14 +129,13 @@ def load_inputs(source: str | None, data: DataModule) -> Inputs:
         names = [str(f) for f in files] if files else [f"val[{i}]" for i in range(len(data.val))]
         return Inputs(names, lambda size: iter(DataLoader(data.val, batch_size=size)))
     path = Path(source)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if is_image_name(p.name) and p.is_file())
+    if path.is_dir() or path.is_file() and is_image_name(path.name):
+        files = sorted(p for p in path.iterdir() if is_image_name(p.name) and p.is_file()) \
+            if path.is_dir() else [path]
         if not files:
             raise UserError(f"predict.input={path}: no images "
                             f"({', '.join(sorted(IMAGE_SUFFIXES))})")
         return _files(files, data, path)
-    if path.is_file() and is_image_name(path.name):
-        return _files([path], data, path)
     if path.is_file() and path.suffix == ".npy":
         x = _from_npy(path, data.input_shape)
         _warn_unless_in_range(x, data, path)

@@ -123,9 +123,8 @@ class MLflowLogger:
         change within a run)."""
         if not self.new:
             return
-        items = [(k, str(v)[:500]) for k, v in params.items()]  # (MLflow's value limit)
-        for start in range(0, len(items), 100):  # (and its batch limit)
-            self.mlflow.log_params(dict(items[start:start + 100]))
+        # (MLflow sends them 100 at a time itself; 500 characters: its oldest value limit)
+        self.mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
 
     def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
         self.mlflow.log_metrics({f"{split}/{k}": v for k, v in metrics.items()}, step=step)
