@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from app.errors import UserError
@@ -31,13 +32,10 @@ def seed_value(key: str, value: Any) -> int:
 
 def widths(key: str, value: Any) -> list[int]:
     """`value` as a list of positive whole numbers (layer widths, a shape)."""
-    try:
-        items = list(value)
-        if isinstance(value, str):
-            raise TypeError
-    except TypeError:
+    if isinstance(value, str) or not isinstance(value, Iterable):
         raise UserError(f"{key}={value}: expected a list of positive whole numbers, "
-                        f"such as [16,32]") from None
+                        f"such as [16,32]")
+    items = list(value)
     for item in items:
         if isinstance(item, bool) or not isinstance(item, int) or item < 1:
             raise UserError(f"{key}={items}: each entry must be a positive whole number")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from contextlib import suppress
 from datetime import datetime
 from pathlib import Path
 
@@ -51,9 +52,8 @@ def resume_hint(run_dir: Path) -> str:
 
 def is_job_of_sweep(run_dir: Path) -> bool:
     """Whether `run_dir` is a job of a sweep (Hydra's multirun.yaml beside it), not a run."""
-    hydra_yaml = run_dir / ".hydra" / "hydra.yaml"
-    try:  # (the Optuna sweeper writes no multirun.yaml; every job's hydra.yaml has its mode)
-        multirun = "mode: MULTIRUN" in hydra_yaml.read_text() if hydra_yaml.is_file() else False
-    except OSError:
-        multirun = False
-    return multirun or (run_dir.parent / "multirun.yaml").is_file()
+    # (The Optuna sweeper writes no multirun.yaml; every job's hydra.yaml has its mode.)
+    with suppress(OSError):
+        if "mode: MULTIRUN" in (run_dir / ".hydra" / "hydra.yaml").read_text():
+            return True
+    return (run_dir.parent / "multirun.yaml").is_file()
