@@ -159,17 +159,6 @@ def part(state: dict[str, Any], name: str) -> Any:
     return state.get(name) or {}
 
 
-def trained_at(state: dict[str, Any]) -> TrainedAt:
-    loop = state.get("loop") or {}  # a weights-only file (no loop record) has none
-    return TrainedAt(loop.get("step", 0), loop.get("epoch", 0))
-
-
-def inference_weights(state: dict[str, Any]) -> dict[str, Any]:
-    """The weights validation used: the EMA's when the run kept one (so eval matches)."""
-    ema = (state.get("train_step") or {}).get("ema")
-    return ema["module"] if ema else state["model"]
-
-
 # ---- a run directory's checkpoints -----------------------------------------------------------
 
 def latest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:

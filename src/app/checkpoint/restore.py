@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from app.checkpoint.layout import TrainedAt, inference_weights, load, shape, trained_at
+from app.checkpoint.layout import TrainedAt, load, shape
 from app.errors import UserError
 
 if TYPE_CHECKING:
@@ -25,8 +25,10 @@ def load_for_inference(model: torch.nn.Module, data: DataModule, path: str | Pat
     state = load(path)
     data.load_state_dict(state.get("data") or {})  # first: other classes are named as such
     data.prepare()  # (what a checkpoint without the data's state leaves to learn)
-    load_model_weights(model, state, path, weights=inference_weights(state))
-    return trained_at(state)
+    ema = (state.get("train_step") or {}).get("ema")  # (its weights validated, when kept)
+    load_model_weights(model, state, path, weights=ema["module"] if ema else None)
+    loop = state.get("loop") or {}  # (a weights-only file has no loop record)
+    return TrainedAt(loop.get("step", 0), loop.get("epoch", 0))
 
 
 def load_model_weights(model: Any, state: dict[str, Any], path: str | Path, strict: bool = True,

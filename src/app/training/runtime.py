@@ -1,6 +1,4 @@
-"""The process's numeric settings (threads, determinism, TF32, MKL, memory reservation) and
-seeding. The random-number state that checkpoints carry is app.checkpoint.rng; the device is
-chosen in app.launch.plan."""
+"""The process's numeric settings (threads, determinism, TF32, memory reservation) and seeding."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ def seed_everything(seed: int) -> None:
 
 
 def apply_runtime_flags(cfg: Any, device: torch.device, ranks_here: int | None = None) -> None:
-    """Determinism, TF32, thread count and GPU memory reservation, as the config asks.
-    `ranks_here`: the ranks of the job on this machine (None: a run in this one process)."""
+    """`ranks_here`: the ranks of the job on this machine (None: a run in this one process)."""
     if cfg.deterministic:
         # cuBLAS needs a fixed workspace for deterministic results (set before its first use).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -1,14 +1,11 @@
 """How the model is laid over the ranks (`distributed.strategy`) and what its backward keeps
 (`trainer.activation_checkpointing`).
 
-`ddp`: every rank holds the whole model, its gradients and the optimizer's state; gradients
-are all-reduced. `fsdp`: PyTorch's FSDP2 (`fully_shard`) over a one-dimensional device mesh of
-all ranks: each rank holds 1/N of the parameters, gradients and optimizer state; a sharded
-unit's parameters are all-gathered for its forward and backward and freed after, and its
-gradients reduce-scattered. The units are the modules of the classes `distributed.fsdp.wrap`
-names (each top-level child with parameters when it names none), then the whole model.
-Mixed precision under `fsdp` is FSDP2's policy (parameters all-gathered in the low precision,
-gradients reduced in float32), not autocast.
+`fsdp`: PyTorch's FSDP2 (`fully_shard`) over a one-dimensional device mesh of all ranks. The
+units are the modules of the classes `distributed.fsdp.wrap` names (each top-level child with
+parameters when it names none), then the whole model. Mixed precision under `fsdp` is FSDP2's
+policy (parameters all-gathered in the low precision, gradients reduced in float32), not
+autocast.
 
 Both work on the module in place: its names (state-dict keys) stay those of the plain model,
 so checkpoints, EMA and validation see one model whatever the strategy.
@@ -45,10 +42,9 @@ def module_classes(model: nn.Module, names: Iterable[str], key: str) -> tuple[ty
 
 
 def checkpoint_activations(model: nn.Module, class_names: list[str]) -> int:
-    """Recompute the activations of the modules of these classes in the backward instead of
-    keeping them (memory for compute). PyTorch's composable `checkpoint`: the module's names
-    stay, and the random state of the forward is restored for the recompute, so dropout
-    draws the same masks and a resume stays exact. Returns how many modules it applies to."""
+    """Recompute the activations of the modules of these classes in the backward, with
+    PyTorch's composable `checkpoint`: the module's names stay, and the forward's random state
+    is restored for the recompute, so a resume stays exact. Returns how many modules."""
     if not class_names:
         return 0
     from torch.distributed._composable import checkpoint
@@ -88,8 +84,8 @@ def units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
 
 def shard(model: nn.Module, device: torch.device, wrap: list[str], precision: str,
           reshard_after_forward: bool) -> nn.Module:
-    """FSDP2 over all ranks, in place (the same module, its parameters now DTensor shards).
-    Every rank must hold the same initial weights (the same seed): each keeps its part."""
+    """FSDP2 over all ranks, in place. Every rank must hold the same initial weights (the same
+    seed): each keeps its part."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -131,9 +127,7 @@ def buffer_broadcast(model: nn.Module) -> Callable[[], None] | None:
         for buffers in by_dtype.values():  # one collective per dtype
             flat = torch.cat([b.reshape(-1) for b in buffers])
             tdist.broadcast(flat, src=0)
-            offset = 0
-            for b in buffers:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                offset += b.numel()
+            for b, new in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+                b.copy_(new.view_as(b))
 
     return broadcast

@@ -1,6 +1,5 @@
-"""Where the training loop is (`LoopState`), and the rules for what it does at a step: log,
-validate, checkpoint, finish. The loop, `Run` (what callbacks read) and the checkpoint share
-one `LoopState` object."""
+"""Where the training loop is (`LoopState`, which the loop, the callbacks' `Run` and the
+checkpoint share), and the rules for what it does at a step: log, validate, checkpoint, finish."""
 
 from __future__ import annotations
 
@@ -13,10 +12,7 @@ from app.config import MonitorMode, TrainerConfig
 
 @dataclass
 class LoopState:
-    """The loop's counters, checkpointed with `state_dict` for an exact resume.
-
-    (The count of steps skipped for a non-finite loss is the train step's, in its own state.)
-    """
+    """The loop's counters, checkpointed with `state_dict` for an exact resume."""
 
     step: int = 0  # optimizer steps done
     epoch: int = 0  # epochs done
