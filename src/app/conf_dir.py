@@ -1,9 +1,5 @@
-"""Where the config tree `conf/` is: the repository's, or the copy a wheel installs.
-
-conf/ has one source: the top of the repository, beside src/. An editable install (and a
-checkout on PYTHONPATH) reads it there, so an edit takes effect at once; a built wheel carries a
-copy as `app/conf` (setup.py maps the folder into the package), which an installed `app` reads.
-"""
+"""Where `conf/` is: beside src/ for a checkout or an editable install (an edit takes effect
+at once), else the copy a built wheel carries as `app/conf` (setup.py maps it in)."""
 
 from __future__ import annotations
 

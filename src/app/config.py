@@ -28,10 +28,8 @@ from app.errors import UserError, first_line
 
 
 class _Choice(StrEnum):
-    """A closed set of strings whose members are named by their values ("bf16-mixed",
-    "val/acc": not identifiers, hence the functional form below). OmegaConf reads a value by
-    its member's name, and a member compares and hashes as its string, so code that reads
-    the config compares it with plain strings."""
+    """A closed set of strings, members named by their values ("bf16-mixed" is no identifier:
+    hence `_choice`). A member compares and hashes as its string."""
 
     @classmethod
     def _missing_(cls, value: object) -> _Choice | None:
@@ -261,9 +259,8 @@ _COMPARE = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "lt": (operator
 
 
 def _check_fields(node: Any, schema: type, path: str = "") -> None:
-    """The fields of `node` within the bounds `_bound` declared (`< inf`: finite; nan fails
-    every comparison), and of their types where OmegaConf has not checked them: the data node
-    holds plain values (`register_schemas`). The annotations are strings here."""
+    """The fields of `node` within their `_bound`s (`< inf`: finite; nan fails every
+    comparison), and of their types in the data node, whose plain values OmegaConf leaves."""
     for f in dataclasses.fields(schema):
         key = path + f.name
         value = node.get(f.name) if isinstance(node, dict) else getattr(node, f.name)

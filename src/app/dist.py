@@ -1,7 +1,5 @@
-"""Communication helpers that work, as no-ops, without a process group.
-
-The loop calls these unconditionally, so it never branches on "am I distributed".
-"""
+"""Communication helpers that work, as no-ops, without a process group: the loop calls them
+unconditionally, so it never branches on "am I distributed"."""
 
 from __future__ import annotations
 
