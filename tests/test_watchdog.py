@@ -21,7 +21,7 @@ from app import progress
 from app.errors import WorkerFailed
 from app.launch import stacks, watchdog
 from app.launch.stacks import DUMP_SIGNAL
-from app.launch.stall_rules import Peer, describe, judge, waits_for_others
+from app.launch.watchdog import Peer, describe, judge, waits_for_others
 from conftest import HELPERS, REPO, TINY, alive, read_metrics, run_job, wait_for_rows, worker_pids
 
 STALL = 10.0
