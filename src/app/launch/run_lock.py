@@ -1,18 +1,13 @@
 """One command per run directory at a time.
 
-Two commands with the same `hydra.run.dir` would both train, resume from each other's
-checkpoints and interleave their metrics. The run's owner (the launcher, or rank 0 of a
-torchrun/SLURM job: the one that writes `result.json`) holds an exclusive flock on `.run.lock`,
-and writes its pid and host there for a refused command (and app.status) to name. The kernel
-drops a flock when its holder dies, however it dies: no stale lock. (On NFS, Linux emulates
-flock with NFSv4 locks, which the server drops when the dead client's lease ends. Not lockf:
-a process's POSIX locks do not exclude each other, and any close of the file drops them.)
-
-A flock belongs to the open file description, which a forked child (a DataLoader worker, a
-fork-started rank) shares and would keep after its owner died: a forked child closes its
-copies, and exec does not inherit them. Spawned workers outlive their launcher by their stop
-checkpoint, and write meanwhile: each holds a shared flock on `.run.workers.lock` for its
-life, which a new owner takes exclusively, waiting for them a bounded time.
+Two commands on one `hydra.run.dir` would resume from each other's checkpoints and interleave
+their metrics. The run's owner (the one that writes `result.json`) holds an exclusive flock on
+`.run.lock`, naming its pid and host there for a refused command and app.status; the kernel
+drops it when the owner dies, however it dies (on NFSv4 too, which Linux emulates flock with).
+Not lockf: a process's POSIX locks do not exclude each other, and any close of the file drops
+them. A forked child (a DataLoader worker) would share the flock: it closes its copies. Spawned
+workers outlive their launcher by their stop checkpoint: each holds `.run.workers.lock` shared
+for its life, which a new owner takes exclusively, waiting for them a bounded time.
 """
 
 from __future__ import annotations
@@ -123,20 +118,24 @@ class RunLock:
             wait_s = REQUEUE_WAIT_S if os.environ.get("SLURM_RESTART_COUNT", "0") not in (
                 "", "0") else 0.0
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        where = f"hydra.run.dir={self.path.parent}"
         try:
             self._fd = _lock(self.path, wait_s=wait_s)
-            if self._fd is not None:  # (emptied, for our workers to add their lines)
-                _close(_lock(self.path.with_name(WORKERS_LOCK_NAME), wait_s=workers_wait_s,
-                             name=False))
+        except LockHeld as e:
+            raise RunDirInUse(f"{where} is in use by another command ({e}): wait for it to "
+                              f"end, or give this command another hydra.run.dir") from None
+        if self._fd is None:
+            return
+        try:  # (emptied, for our workers to add their lines)
+            _close(_lock(self.path.with_name(WORKERS_LOCK_NAME), wait_s=workers_wait_s,
+                         name=False))
         except BaseException as e:
-            busy = ("is in use by another command ({}): wait for it to end" if self._fd is None
-                    else "is still written by the workers of a previous command ({}): wait "
-                    "for them to end (or stop them)")
             self.release()
-            if isinstance(e, LockHeld):
-                raise RunDirInUse(f"hydra.run.dir={self.path.parent} {busy.format(e)}, or give "
-                                  f"this command another hydra.run.dir") from None
-            raise
+            if not isinstance(e, LockHeld):
+                raise
+            raise RunDirInUse(f"{where} is still written by the workers of a previous command "
+                              f"({e}): wait for them to end (or stop them), or give this "
+                              f"command another hydra.run.dir") from None
 
     def release(self) -> None:
         _close(self._fd)
