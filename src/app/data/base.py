@@ -57,6 +57,8 @@ class DataModule:
 
     def set_epoch(self, epoch: int, seed: int) -> None:
         """Called by the loop before each epoch (random augmentations key on it)."""
+        if isinstance(self.train, Augmented):
+            self.train.set_epoch(epoch, seed)
 
     def cache_in_memory(self) -> None:
         """Decode every sample once into shared memory (`cache=true`)."""
@@ -131,8 +133,19 @@ def split(num: int, val_fraction: float, split_seed: int) -> tuple[torch.Tensor,
     return order[num_val:], order[:num_val]
 
 
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The seed of sample `index`'s random augmentation in `epoch`: from these three alone,
-    so whichever loader worker draws it, it is the same, and a resumed run sees the same
-    augmented samples. Folded into the 64 bits torch's generators take."""
-    return ((seed * 1_000_003 + epoch) * 10_007 + index) % 2**64
+class Augmented(Dataset):
+    """A data set whose random augmentation of a sample is drawn from (seed, epoch, index)
+    alone: the same whichever loader worker draws it, so workers never repeat each other and a
+    resumed run sees the same augmented samples. The key is in shared memory: persistent
+    loader workers see each new epoch."""
+
+    def __init__(self) -> None:
+        self.key = torch.zeros(2, dtype=torch.int64).share_memory_()  # seed, epoch
+
+    def set_epoch(self, epoch: int, seed: int) -> None:
+        self.key[0], self.key[1] = seed, epoch
+
+    def sample_seed(self, index: int) -> int:
+        """Sample `index`'s seed in this epoch, folded into the 64 bits torch's generators take."""
+        seed, epoch = self.key.tolist()
+        return ((seed * 1_000_003 + epoch) * 10_007 + index) % 2**64

@@ -7,27 +7,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from app.checks import seed_value
-from app.data.base import DataModule, sample_seed, split
+from app.data.base import Augmented, DataModule, split
 from app.errors import UserError
 
 
-class ShiftedImages(Dataset):
-    """Images randomly shifted by up to `shift` pixels (zero fill), labels unchanged.
-
-    The shift of sample i in an epoch comes from (seed, epoch, i) alone (`sample_seed`): the
-    same whichever loader worker draws it, so loader workers never repeat each other's shifts
-    and a resumed run sees the same augmented samples.
-    """
+class ShiftedImages(Augmented):
+    """Images randomly shifted by up to `shift` pixels (zero fill), labels unchanged."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, shift: int) -> None:
+        super().__init__()
         self.images, self.labels, self.shift = images, labels, shift
-        self.key = torch.zeros(2, dtype=torch.int64).share_memory_()  # seed, epoch
-
-    def set_epoch(self, epoch: int, seed: int) -> None:
-        self.key[0], self.key[1] = seed, epoch
 
     def share_memory(self) -> None:
         self.images.share_memory_()
@@ -37,8 +29,7 @@ class ShiftedImages(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        seed, epoch = self.key.tolist()
-        g = torch.Generator().manual_seed(sample_seed(seed, epoch, index))
+        g = torch.Generator().manual_seed(self.sample_seed(index))
         dy, dx = (torch.randint(-self.shift, self.shift + 1, (2,), generator=g)).tolist()
         s = self.shift
         padded = torch.nn.functional.pad(self.images[index], (s, s, s, s))
@@ -92,7 +83,3 @@ class Digits(DataModule):
         self.train = (ShiftedImages(x[train_idx], y[train_idx], shift) if shift
                       else TensorDataset(x[train_idx], y[train_idx]))
         self.val = TensorDataset(x[val_idx], y[val_idx])
-
-    def set_epoch(self, epoch: int, seed: int) -> None:
-        if isinstance(self.train, ShiftedImages):
-            self.train.set_epoch(epoch, seed)

@@ -19,12 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
 
 from app import dist
 from app.checks import seed_value, widths
 from app.data import transforms
-from app.data.base import DataModule, sample_seed
+from app.data.base import Augmented, DataModule
 from app.errors import BadImage, UserError
 
 log = logging.getLogger(__name__)
@@ -51,14 +50,14 @@ class Decoded:
         return Image.fromarray(pixels.view(self.shapes[index]).numpy(), mode=self.mode)
 
 
-class ImageSet(Dataset):
+class ImageSet(Augmented):
     """Images with their labels, decoded when read (`load`, by the subclass), viewed as the
     module's docstring says."""
 
     def __init__(self, labels: list[int], mode: str) -> None:
+        super().__init__()
         self.labels = [int(label) for label in labels]  # (an int a sample: cheaper to batch)
         self.mode = mode
-        self.key = torch.zeros(2, dtype=torch.int64).share_memory_()  # seed, epoch
         self.decoded: Decoded | None = None
         self.view((0, 0), torch.zeros(2, 1), None)  # (ImageData sets them)
 
@@ -91,8 +90,7 @@ class ImageSet(Dataset):
             raise BadImage(f"{e}{SKIP_HINT}") from None
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        rng = None if self.augment is None else random.Random(
-            sample_seed(*self.key.tolist(), index))
+        rng = None if self.augment is None else random.Random(self.sample_seed(index))
         return self.tensor(self.image(index), rng), self.labels[index]
 
     def tensor(self, image: Image.Image, rng: random.Random | None = None) -> torch.Tensor:
@@ -196,9 +194,6 @@ class ImageData(DataModule):
         mean, std = ([round(v, 4) for v in row] for row in self.stats.tolist())
         log.info("%s: normalised by the training images' mean %s and std %s", self.where, mean,
                  std)
-
-    def set_epoch(self, epoch: int, seed: int) -> None:
-        self.train.key[0], self.train.key[1] = seed, epoch
 
     def cache_in_memory(self) -> None:
         self.train.share_memory()

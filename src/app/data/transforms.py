@@ -1,7 +1,7 @@
 """Image transforms with Pillow and NumPy: decoding, the evaluation view (resize, centre
-crop), the training augmentation (random resized crop, flip) and normalisation.
+crop), the training augmentation (random resized crop, flip) and the tensor of an image.
 
-The augmentation draws from a `random.Random` seeded per sample (`base.sample_seed`), never
+The augmentation draws from a `random.Random` seeded per sample (`base.Augmented`), never
 from a global generator: a sample's crop depends on (seed, epoch, index) only.
 """
 
