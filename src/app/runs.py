@@ -173,10 +173,8 @@ def defaults() -> DictConfig:
 
     from app.conf_dir import config_dir
     from app.config import register_schemas
-    from app.resolvers import register_resolvers
 
-    register_schemas()
-    register_resolvers()
+    register_schemas()  # (no resolver: the config is compared unresolved)
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         composed = compose("config")
     return OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
