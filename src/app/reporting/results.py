@@ -1,12 +1,11 @@
 """What a run leaves for summaries: `result.json` (status, error, wall time) next to its
-`metrics.csv`, and the figures read from both."""
+`metrics.csv`, and their readers."""
 
 from __future__ import annotations
 
 import csv
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -64,36 +63,3 @@ def read_metrics(run_dir: Path) -> list[dict[str, str]]:
         return []
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
-
-
-def monitor_of(run_dir: Path) -> tuple[str, str]:
-    """The run's monitored metric and its mode, from its saved config (val/acc, max by default)."""
-    config = run_dir / ".hydra" / "config.yaml"
-    monitor, mode = "val/acc", "max"
-    if config.is_file():
-        from omegaconf import OmegaConf
-
-        trainer = OmegaConf.load(config).get("trainer", {})
-        monitor, mode = trainer.get("monitor", monitor), str(trainer.get("monitor_mode", mode))
-    return monitor, mode
-
-
-def run_summary(run_dir: Path) -> dict[str, Any]:
-    """Status, best and final monitored value, steps and wall time of one run directory."""
-    monitor, mode = monitor_of(run_dir)
-    split, _, name = monitor.partition("/")
-    rows = read_metrics(run_dir)
-    values = [float(r[name]) for r in rows if r["split"] == split and r.get(name)]
-    values = [v for v in values if not math.isnan(v)]
-    result = read_result(run_dir)
-    status = result.get("status") or ("running or killed" if rows else "no result")
-    return {
-        "status": status,
-        "monitor": monitor,
-        "best": (max if mode == "max" else min)(values) if values else None,
-        "final": values[-1] if values else None,
-        "steps": max((int(r["step"]) for r in rows), default=0),
-        "wall_s": result.get("wall_s"),
-        "error": result.get("error"),
-        "mode": mode,
-    }

@@ -68,7 +68,7 @@ def standing(record: dict[str, Any], overrides: dict[int, list[str]]) -> dict[in
     same overrides and that need no new submission: still queued or running, or completed
     (their result.json says so). num -> (job id, state)."""
     from app import slurm
-    from app.reporting.results import RESULT
+    from app.reporting.results import read_result
     from app.sweeps.dirs import same_job
 
     earlier = {num: job for num, job in jobs_by_num(record).items()
@@ -76,14 +76,8 @@ def standing(record: dict[str, Any], overrides: dict[int, list[str]]) -> dict[in
                and job.get("job_id")}
     if not earlier:
         return {}
-    found = {}
-    for num, job in earlier.items():
-        try:
-            ended = json.loads((Path(job["run_dir"]) / RESULT).read_text())
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if isinstance(ended, dict) and ended.get("status") == "completed":
-            found[num] = (job["job_id"], "completed")
+    found = {num: (job["job_id"], "completed") for num, job in earlier.items()
+             if read_result(Path(job["run_dir"])).get("status") == "completed"}
     known = slurm.states([job["job_id"] for num, job in earlier.items() if num not in found])
     for num, job in earlier.items():  # (Slurm does not answer: better twice than never)
         if num not in found and known is not None and known[job["job_id"]].active:

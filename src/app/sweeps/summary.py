@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from app.env import this_process
 from app.launch.run_lock import claim_for_job, claim_for_run, refused
 from app.reporting.curves import draw_curves
-from app.reporting.results import RESULT, run_summary
+from app.reporting.results import RESULT, read_metrics, read_result
 from app.signals import stop_signals_stop_nothing
 from app.sweeps.plots import draw_summary
 
@@ -38,9 +38,10 @@ ATTEMPT = "attempt started"
 RECORD = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[[^]]*\]\[\w+\] - (.*)")
 
 
-def attempts(run_dir: Path) -> list[tuple[float, float]]:
-    """(start, end) in seconds since the epoch of each process that ran the job, from the
-    records of its train.log (their times are this machine's local time)."""
+def wall_time(run_dir: Path, last_wall_s: float | None) -> tuple[float | None, int]:
+    """The job's wall time over all its attempts, and their number. result.json holds the
+    last attempt's own wall time; each attempt's (start, end), killed ones too, is read from
+    the records of train.log (their times are this machine's local time)."""
     path = run_dir / "train.log"
     spans: list[list[float]] = []
     for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
@@ -51,13 +52,6 @@ def attempts(run_dir: Path) -> list[tuple[float, float]]:
         if not spans or match[2].startswith(ATTEMPT):
             spans.append([at, at])
         spans[-1][1] = max(spans[-1][1], at)
-    return [(start, end) for start, end in spans]
-
-
-def wall_time(run_dir: Path, last_wall_s: float | None) -> tuple[float | None, int]:
-    """The job's wall time over all its attempts, and their number. result.json holds the
-    last attempt's own wall time; earlier ones (killed ones too) are read from train.log."""
-    spans = attempts(run_dir)
     if len(spans) <= 1:
         return last_wall_s, max(len(spans), last_wall_s is not None)
     earlier = sum(end - start for start, end in spans[:-1])
@@ -80,11 +74,29 @@ def steps_reached(run_dir: Path, logged: int, error: str | None) -> int | None:
 
 
 def job_summary(run_dir: Path) -> dict[str, Any]:
-    """results.run_summary, with the steps and the wall time of every attempt."""
-    summary = run_summary(run_dir)
-    summary["steps"] = steps_reached(run_dir, summary["steps"], summary["error"])
-    summary["wall_s"], summary["attempts"] = wall_time(run_dir, summary["wall_s"])
-    return summary
+    """Status, best and final value of the monitored metric (from the run's saved config:
+    val/acc, max by default), steps reached, and wall time over every attempt of one run."""
+    config = run_dir / ".hydra" / "config.yaml"
+    trainer = OmegaConf.load(config).get("trainer", {}) if config.is_file() else {}
+    monitor, mode = trainer.get("monitor", "val/acc"), str(trainer.get("monitor_mode", "max"))
+    split, _, name = monitor.partition("/")
+    rows = read_metrics(run_dir)
+    values = [float(r[name]) for r in rows if r["split"] == split and r.get(name)]
+    values = [v for v in values if not math.isnan(v)]
+    result = read_result(run_dir)
+    wall_s, num_attempts = wall_time(run_dir, result.get("wall_s"))
+    return {
+        "status": result.get("status") or ("running or killed" if rows else "no result"),
+        "monitor": monitor,
+        "best": (max if mode == "max" else min)(values) if values else None,
+        "final": values[-1] if values else None,
+        "steps": steps_reached(run_dir, max((int(r["step"]) for r in rows), default=0),
+                               result.get("error")),
+        "wall_s": wall_s,
+        "attempts": num_attempts,
+        "error": result.get("error"),
+        "mode": mode,
+    }
 
 
 def curves_note(summary: dict[str, Any]) -> str | None:
