@@ -37,8 +37,6 @@ class HFRows(ImageSet):
     def load(self, index: int) -> Image.Image:
         value = self.rows[index][self.column]
         name = f"row {index} of column {self.column!r}"
-        if isinstance(value, Image.Image):
-            return transforms.as_mode(value, self.mode)
         data, path = (value.get("bytes"), value.get("path")) if isinstance(value, dict) else (
             value if isinstance(value, bytes) else None, value if isinstance(value, str) else None)
         if not data and not path:
@@ -99,17 +97,15 @@ class HFImages(ImageData):
         self.path = Path(path).expanduser()
         loaded = _load(self.path, builder)
         splits = dict(loaded) if hasattr(loaded, "keys") else {train_split: loaded}
-        if train_split not in splits:
-            raise UserError(f"data.train_split={train_split}: {self.path} has the splits "
-                            f"{', '.join(splits)}")
+        for key, name in (("train_split", train_split), ("val_split", val_split)):
+            if name is not None and name not in splits:
+                raise UserError(f"data.{key}={name}: {self.path} has the splits "
+                                f"{', '.join(splits)}")
         train = splits[train_split]
         for key, column in (("image_column", image_column), ("label_column", label_column)):
             if column not in train.column_names:
                 raise UserError(f"data.{key}={column}: {self.path} has the columns "
                                 f"{', '.join(train.column_names)}")
-        if val_split is not None and val_split not in splits:
-            raise UserError(f"data.val_split={val_split}: {self.path} has the splits "
-                            f"{', '.join(splits)}")
         datasets, feature = _datasets(), train.features[image_column]
         if isinstance(feature, datasets.Image):  # (read undecoded: Pillow decodes it here)
             undecoded = datasets.Image(decode=False)

@@ -137,7 +137,9 @@ class ImageData(DataModule):
         self.input_shape = (channels, size[0], size[1])
         self.stats = torch.zeros(2, channels).share_memory_()  # mean, std per channel
         self._given = None if mean is None else _given(mean, std, channels)
-        augment, flip = switch("data.augment", augment), switch("data.flip", flip)
+        for key, value in (("data.augment", augment), ("data.flip", flip)):
+            if not isinstance(value, bool):  # (Hydra passes `off` or `no` on as strings)
+                raise UserError(f"{key}={value}: expected true or false")
         self._augment = {"scale": tuple(scale), "flip": flip} if augment else None
         self.classes: list[str] = []
         self._normalised = False  # by `prepare`, or by a checkpoint (`load_state_dict`)
@@ -228,13 +230,6 @@ class ImageData(DataModule):
 
     def show(self, inputs: torch.Tensor) -> torch.Tensor:
         return (inputs * self.stats[1][:, None, None] + self.stats[0][:, None, None]).clamp(0, 1)
-
-
-def switch(key: str, value: Any) -> bool:
-    """`value` as true or false (Hydra passes `off` or `no` on as strings, which are truthy)."""
-    if not isinstance(value, bool):
-        raise UserError(f"{key}={value}: expected true or false")
-    return value
 
 
 def numbers(key: str, value: Any, count: int) -> list[float]:
