@@ -1,13 +1,12 @@
 """The stall watchdog: a rank that stops making progress while the others wait for it ends the
-job in one line naming it (host, pid, last step), with every rank's Python stacks in
+job in one line naming it (host, pid, last step), with every rank's stacks in
 `logs/rank{N}.stacks`, instead of holding the job for distributed.timeout_s. PyTorch's own
 guards (the process group's timeout, NCCL's Flight Recorder) name a collective, not a rank.
 
-A thread per rank publishes its app.progress record about once a second to the job's
-rendezvous store (rank 0's, or torchrun's agent's) and reads the others'; a second thread
-judges them (a store call hangs while its server is stopped). The first rank to find a stall
-writes the verdict there; every rank then writes its stacks and exits, and none makes progress
-after it (`progress.tick()` blocks).
+A thread per rank publishes its app.progress record about once a second to the rendezvous store
+and reads the others'; a second thread judges them (a store call hangs while its server is
+stopped). The first rank to find a stall writes the verdict there; then every rank writes its
+stacks and exits, and none makes progress (`progress.tick()` blocks).
 """
 
 from __future__ import annotations
@@ -48,9 +47,8 @@ _watchdog: Watchdog | None = None  # the one running in this process
 
 
 def hold_if_stalled(within_s: float = 0.0) -> None:
-    """Called with an error on its way out: when a verdict has ended the job (or comes within
-    `within_s`), the error is another rank's end (a failed collective): the process waits for
-    the watchdog to report the stall and end it instead."""
+    """For an error on its way out: when a verdict has ended the job (or comes within
+    `within_s`), the error is another rank's end: wait for the watchdog to end this process."""
     if _watchdog is not None and progress.stalled.wait(within_s):
         progress.block()
 
@@ -130,14 +128,11 @@ def describe(peers: list[Peer], culprits: list[Peer], now: float, stall_s: float
 
 
 def _status(pid: int) -> str:
+    """psutil's; a process that ended: dead, or a zombie (a child not yet reaped)."""
     try:
         return psutil.Process(pid).status()
     except psutil.Error:
         return psutil.STATUS_DEAD
-
-
-def _running(pid: int) -> bool:
-    return _status(pid) not in (psutil.STATUS_DEAD, psutil.STATUS_ZOMBIE)
 
 
 class Watchdog:
@@ -190,7 +185,8 @@ class Watchdog:
                 leave_by = time.monotonic() + 2 * self.interval + 1
             server = self.peers[self.store_rank or 0]
             if self.store_rank is not None and server.rank != self.rank and \
-                    server.host == self.host and server.pid and not _running(server.pid):
+                    server.host == self.host and server.pid and _status(server.pid) in (
+                        psutil.STATUS_DEAD, psutil.STATUS_ZOMBIE):
                 return  # a store call to a server that is gone prints a C++ warning each time
             try:
                 store.set(str(self.rank), self._record(beat))
@@ -226,10 +222,8 @@ class Watchdog:
             last = now
             if self.verdict is not None:
                 self._end(self.verdict)
-            if now - self.io_ok_at >= self.stall_s and self.rank != self.store_rank:
-                if self.store_rank is None:  # (torchrun's agent: no rank to name)
-                    self._end(self._verdict(f"the torchrun agent's store has not answered for "
-                                            f"{self.stall_s:g} s: the job was ended", [], now))
+            # Rank 0's store silent: rank 0 is stalled (torchrun's agent's: blind, not stalled).
+            if now - self.io_ok_at >= self.stall_s and self.store_rank not in (None, self.rank):
                 server = self.peers[self.store_rank]
                 server.heard_at = min(server.heard_at, now - self.stall_s)
                 self._end(self._verdict(describe(
@@ -241,66 +235,58 @@ class Watchdog:
                     self.peers, culprits, now, self.stall_s, self.run_dir), culprits, now))
 
     def _verdict(self, message: str, culprits: list[Peer], now: float) -> dict[str, Any]:
-        """The verdict: its id and time (for the stacks files' headers), its line, and the
-        culprits not running, which a rank of their host wakes to write their stacks."""
+        """Its id and time (the stacks files' headers), its line, the stopped ranks to wake."""
         return {"id": f"{time.time():.3f}-r{self.rank}", "message": message,
                 "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                 "wake": [[p.rank, p.host, p.pid] for p in culprits
                          if p.silent(now, self.stall_s)]}
 
-    def _header(self, verdict: dict[str, Any], rank: int, note: str) -> Path:
-        """Opens a verdict's section of a rank's stacks file (a file kept from an earlier stall,
-        or a dump asked for by hand, stays above it)."""
-        path = self.run_dir / "logs" / f"rank{rank}.stacks"
-        with open(path, "a") as f:
-            f.write(f"=== {verdict['time']} verdict {verdict['id']}, rank {rank}: "
-                    f"{verdict['message']} ({note})\n")
-        return path
-
     def _end(self, verdict: dict[str, Any]) -> None:
-        """Write this rank's stacks, wake the stopped ranks of this host to write theirs (the
-        lowest rank of the host not stopped does), report the verdict, and exit once the others
-        have read it (a rank that left first would fail their collectives before their stacks)."""
+        """Write the stacks, report the verdict, and exit once the others have read it (a rank
+        that left first would fail their collectives before they wrote their stacks)."""
         progress.stalled.set()
         try:
-            mine = self.run_dir / "logs" / f"rank{self.rank}.stacks"
-            if f"verdict {verdict['id']}, rank {self.rank}:" not in (  # (woken: written)
-                    mine.read_text(errors="replace") if mine.is_file() else ""):
-                with open(self._header(verdict, self.rank, f"pid {self.pid}, host {self.host}"),
-                          "a") as f:
-                    faulthandler.dump_traceback(file=f, all_threads=True)
-            stopped = {rank for rank, _, _ in verdict["wake"]}
-            helpers = [p.rank for p in self.peers if p.host == self.host and p.rank not in stopped]
-            sizes = {}
-            for rank, host, pid in verdict["wake"] if self.rank == min(helpers, default=-1) else []:
-                if host == self.host and pid and DUMP_SIGNAL and _status(pid) in (
-                        psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
-                    path = self._header(verdict, rank, f"pid {pid}, stopped: written when rank "
-                                                       f"{self.rank} woke it")
-                    sizes[path] = path.stat().st_size
-                    with contextlib.suppress(ProcessLookupError):  # (it dumps once it runs)
-                        os.kill(pid, DUMP_SIGNAL)
-                        os.kill(pid, signal.SIGCONT)
-            _sleep_while(lambda: any(p.stat().st_size <= n for p, n in sizes.items()),
-                         time.monotonic() + 5)
-        except OSError as e:
-            log.warning("the stacks were not written: %s", e)
-        try:
+            with contextlib.suppress(OSError):  # (a full disk: the line is what matters)
+                self._write_stacks(verdict)
             self.on_stall(verdict["message"])
-            until = time.monotonic() + 2 * self.interval + 0.5  # (each rank reads the verdict
-            _sleep_while(lambda: self.rank == self.store_rank and any(  # within a round; the
-                p.host != self.host or not p.pid or _running(p.pid)  # store serves them until
-                for p in self.peers if p.rank != self.rank), until + 1)  # they left)
-            _sleep_while(lambda: True, until)
+            # Each rank reads the verdict within a round; the store's server stays a second more.
+            time.sleep(2 * self.interval + 0.5 + (self.rank == self.store_rank))
         finally:
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os._exit(EXIT_CODE)
 
+    def _write_stacks(self, verdict: dict[str, Any]) -> None:
+        """A section of this rank's stacks file per verdict, after a header (a file kept from an
+        earlier stall, or a dump asked for by hand, stays above it). The lowest rank of a host
+        that is not stopped wakes its stopped ranks: the dump signal, then SIGCONT."""
+        def header(rank: int, note: str) -> Path:
+            path = self.run_dir / "logs" / f"rank{rank}.stacks"
+            with open(path, "a") as f:
+                f.write(f"=== {verdict['time']} verdict {verdict['id']}, rank {rank}: "
+                        f"{verdict['message']} ({note})\n")
+            return path
 
-def _sleep_while(busy: Callable[[], bool], until: float) -> None:
-    while time.monotonic() < until and busy():
-        time.sleep(0.05)
+        mine = self.run_dir / "logs" / f"rank{self.rank}.stacks"
+        if f"verdict {verdict['id']}, rank {self.rank}:" not in (  # (woken: written)
+                mine.read_text(errors="replace") if mine.is_file() else ""):
+            with open(header(self.rank, f"pid {self.pid}, host {self.host}"), "a") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        stopped = {rank for rank, _, _ in verdict["wake"]}
+        helpers = [p.rank for p in self.peers if p.host == self.host and p.rank not in stopped]
+        sizes = {}
+        for rank, host, pid in verdict["wake"] if self.rank == min(helpers, default=-1) else []:
+            if host == self.host and pid and DUMP_SIGNAL and _status(pid) in (
+                    psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                path = header(rank, f"pid {pid}, stopped: written when rank {self.rank} woke it")
+                sizes[path] = path.stat().st_size
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, DUMP_SIGNAL)
+                    os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5  # (until their stacks are written)
+        while time.monotonic() < deadline and any(
+                path.stat().st_size <= size for path, size in sizes.items()):
+            time.sleep(0.05)
 
 
 def start(stall_s: float | None, run_dir: Path, rank: int, world_size: int,
