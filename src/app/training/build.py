@@ -70,15 +70,13 @@ def build_trained_model(cfg: AppConfig, data: DataModule
 
 def model_summary(model: nn.Module) -> str:
     """Parameter counts per top-level module, and the total."""
-    rows = [(name or "(model)", sum(p.numel() for p in module.parameters()),
-             sum(p.numel() for p in module.parameters() if p.requires_grad))
-            for name, module in model.named_children()] or [("(model)", 0, 0)]
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    lines = [f"{'module':<24}{'params':>12}{'trainable':>12}"]
-    lines += [f"{n:<24}{a:>12,}{b:>12,}" for n, a, b in rows]
-    lines.append(f"{'total':<24}{total:>12,}{trainable:>12,}")
-    return "\n".join(lines)
+    def row(name: str, params: list[nn.Parameter]) -> str:
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        return f"{name:<24}{sum(p.numel() for p in params):>12,}{trainable:>12,}"
+
+    rows = [row(n, list(m.parameters())) for n, m in model.named_children()] or [row("(model)", [])]
+    return "\n".join([f"{'module':<24}{'params':>12}{'trainable':>12}", *rows,
+                      row("total", list(model.parameters()))])
 
 
 def parameter_groups(model: nn.Module, decay_norm_and_bias: bool) -> list[dict[str, Any]]:
