@@ -43,13 +43,11 @@ _WAIT_PATHS = tuple(os.path.join("torch", *parts) for parts in (
     ("distributed", ""), ("nn", "parallel", "distributed.py")))
 _WAIT_FUNCTIONS = {"_engine_run_backward", "run_backward"}
 
-_watchdog: Watchdog | None = None  # the one running in this process
-
-
 def hold_if_stalled(within_s: float = 0.0) -> None:
-    """For an error on its way out: when a verdict has ended the job (or comes within
-    `within_s`), the error is another rank's end: wait for the watchdog to end this process."""
-    if _watchdog is not None and progress.stalled.wait(within_s):
+    """For an error on its way out, with a watchdog running: when a verdict has ended the job
+    (or comes within `within_s`), the error is another rank's end: wait for the watchdog to end
+    this process."""
+    if progress.stalled.wait(within_s):
         progress.block()
 
 
@@ -155,10 +153,8 @@ class Watchdog:
 
     def stop(self) -> None:
         """A clean end: say so to the others (a rank that ended is not a stalled one)."""
-        global _watchdog
         self.stop_event.set()
         self.threads[0].join(timeout=2 * self.interval + 1)
-        _watchdog = None
 
     def _record(self, beat: int) -> str:
         mine = progress.record()
@@ -293,10 +289,9 @@ def start(stall_s: float | None, run_dir: Path, rank: int, world_size: int,
           on_stall: Callable[[str], None]) -> Watchdog | None:
     """Watch the ranks' progress (with several ranks and a stall timeout); `on_stall` reports
     the one line that ends the job, then the process exits."""
-    global _watchdog
     if stall_s is None or world_size < 2:
         return None
-    _watchdog = Watchdog(rank, world_size, stall_s, run_dir, on_stall)
-    for thread in _watchdog.threads:
+    watchdog = Watchdog(rank, world_size, stall_s, run_dir, on_stall)
+    for thread in watchdog.threads:
         thread.start()
-    return _watchdog
+    return watchdog
