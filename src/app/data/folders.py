@@ -115,17 +115,21 @@ def _find(root: Path) -> tuple[Path, list[str], Files, Files | None]:
                         f"holding its images)")
     train_dir = root / "train" if (root / "train").is_dir() else root
     classes = _class_folders(train_dir)
-    _enough(train_dir, classes)
-    val_dir = next((root / n for n in VAL_FOLDERS if (root / n).is_dir()), None)
-    if train_dir == root or val_dir is None:  # (a training folder alone: its share is drawn)
-        return train_dir, classes, _labelled(train_dir, classes, classes), None
-    val_classes = _class_folders(val_dir)
-    extra = sorted(set(val_classes) - set(classes))
-    if extra:
-        raise UserError(f"data.root={root}: {val_dir.name}/ has classes that train/ has not: "
-                        f"{', '.join(extra)}")
-    return (train_dir, classes, _labelled(train_dir, classes, classes),
-            _labelled(val_dir, val_classes, classes))
+    if len(classes) < 2:
+        raise UserError(f"data.root={train_dir}: {len(classes)} class folder(s) "
+                        f"({', '.join(classes) or 'none'}); a classifier needs two or more, "
+                        f"each a sub-folder holding its images")
+    val_dir = None if train_dir == root else next(  # (a training folder alone: a share drawn)
+        (root / n for n in VAL_FOLDERS if (root / n).is_dir()), None)
+    val = None
+    if val_dir is not None:
+        val_classes = _class_folders(val_dir)
+        extra = sorted(set(val_classes) - set(classes))
+        if extra:
+            raise UserError(f"data.root={root}: {val_dir.name}/ has classes that train/ has "
+                            f"not: {', '.join(extra)}")
+        val = _labelled(val_dir, val_classes, classes)
+    return train_dir, classes, _labelled(train_dir, classes, classes), val
 
 
 def split_by_name(names: list[str], val_fraction: float, split_seed: int
@@ -142,10 +146,3 @@ def split_by_name(names: list[str], val_fraction: float, split_seed: int
         val = sorted(sorted(range(len(names)), key=keys.__getitem__)[:count])
     taken = set(val)
     return [i for i in range(len(names)) if i not in taken], val
-
-
-def _enough(folder: Path, classes: list[str]) -> None:
-    if len(classes) < 2:
-        raise UserError(f"data.root={folder}: {len(classes)} class folder(s) "
-                        f"({', '.join(classes) or 'none'}); a classifier needs two or more, "
-                        f"each a sub-folder holding its images")
