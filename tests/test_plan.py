@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from app.env import SINGLE, Kind, detect, spawned
 from app.errors import UserError
@@ -64,7 +65,7 @@ def test_a_rank_takes_its_local_rank_s_device(monkeypatch) -> None:
     current = []
     monkeypatch.setattr(plan_module, "available", lambda kind: kind in ("cpu", "cuda"))
     monkeypatch.setattr(plan_module, "device_count", lambda kind: 2)
-    monkeypatch.setattr(plan_module, "_module",
+    monkeypatch.setattr(torch, "get_device_module",
                         lambda kind: type("Cuda", (), {"set_device": current.append}))
     chosen = plan(make_config(), TORCHRUN_RANK_1)
     assert str(chosen.device(1)) == "cuda:1" and [str(d) for d in current] == ["cuda:1"]

@@ -1,13 +1,10 @@
-"""Where a job runs and on what. `plan()` decides, once and before anything starts: in this
-process, as `devices` workers spawned here, or as one rank of a torchrun/SLURM/MPI job that is
-already running; and the device type, backend and device of each process. It decides only:
-app.launch.run carries the plan out. Compose once, then spawn: workers get the resolved
-config, the plan and the run directory from this process and never compose or create run
-directories of their own.
+"""Where a job runs and on what, decided once before anything starts (app.launch.run carries
+it out): in this process, as `devices` workers spawned here, or as one rank of a torchrun/SLURM/
+MPI job already running; and the device type, backend and device of each process. Workers get
+the resolved config, the plan and the run directory, and never compose anything of their own.
 
-Imported without torch: app.__main__ asks `spawns_workers` before it imports torch, so that
-the worker server (app.launch.spawn) imports it at the same time. The device questions
-import it when first asked.
+Imported without torch (app.__main__ asks `spawns_workers` before it imports torch); the device
+questions import it when first asked.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ import socket
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from app.config import Accelerator, AppConfig, Mode
 from app.env import ProcessEnv, check_horovod
@@ -36,6 +33,8 @@ BACKENDS = {"cuda": "nccl", "npu": "hccl", "hpu": "hccl", "xpu": "xccl", "mps": 
 # The variable that hides devices from a process, per device type.
 VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK",
                "npu": "ASCEND_RT_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES"}
+# The folder key of the app's own data sets from files (a user's data module may download it).
+DATA_FOLDERS = {"app.data.ImageFolder": "root", "app.data.HFImages": "path"}
 # CPU ranks beyond the cores only share them (a debugging run of devices=2 on one core is
 # fine); a few per core are allowed, a mistyped devices=1000 that would fork 1000 is not.
 CPU_PROCESSES_PER_CORE = 4
@@ -74,26 +73,23 @@ class Plan:
                 f"{self.kind} device(s) are visible; lower devices=, or set "
                 f"distributed.set_device_rank=false when each process sees only its own device")
         device = torch.device(self.kind, index)
-        _module(self.kind).set_device(device)
+        torch.get_device_module(self.kind).set_device(device)
         return device
 
 
 def one_process(mode: Mode, devices: int, nodes: int) -> bool:
-    """The one-process rule: one device on one machine runs in this process, and so do
-    predict and export whatever the devices."""
+    """One device on one machine runs in this process, and so do predict and export."""
     return devices * nodes == 1 or mode in (Mode.predict, Mode.export)
 
 
 def spawns_workers(cfg: AppConfig, env: ProcessEnv) -> bool:
-    """Whether this process will start local workers, asked before torch is imported (so a
-    devices=auto, which needs torch to count, reads as no)."""
+    """Asked before torch is imported: devices=auto, which needs torch to count, reads as no."""
     return (not env.is_rank and isinstance(cfg.devices, int)
             and not one_process(cfg.trainer.mode, cfg.devices, cfg.nodes))
 
 
 def plan(cfg: AppConfig, env: ProcessEnv) -> Plan:
-    """Where and on what this job runs; raises UserError, before anything starts, for a
-    device, address or count that cannot work here."""
+    """Raises UserError, before anything starts, for what cannot work here."""
     check_horovod(os.environ, cfg.distributed.horovod)
     kind = resolve_accelerator(cfg.accelerator, cfg.accelerator_strict)
     backend = BACKENDS[kind] if cfg.distributed.backend == "auto" else str(cfg.distributed.backend)
@@ -122,54 +118,37 @@ def plan(cfg: AppConfig, env: ProcessEnv) -> Plan:
         raise UserError(
             f"dist_url=auto works on one machine only; with nodes={cfg.nodes} give the "
             f"address of machine 0, the same on every machine: dist_url=tcp://HOST:PORT")
-    url = _free_local_url() if cfg.dist_url == "auto" else cfg.dist_url
+    url = cfg.dist_url
+    if url == "auto":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     from app.dist import check_host  # (torch)
 
     check_host(url)  # before any worker starts
-    check_data_folder(cfg.data)
+    # A missing data folder of the app's own data sets (each worker would fail on it alike);
+    # not at compose time: a Slurm job may read a folder that only its nodes have.
+    key = DATA_FOLDERS.get(str(cfg.data.get("_target_")))
+    if key and isinstance(cfg.data.get(key), str) and not Path(cfg.data[key]).expanduser().exists():
+        raise UserError(f"data.{key}={cfg.data[key]}: no such file or folder here")
     return Plan(How.spawn, kind, devices=devices, url=url, **keep)
-
-
-# The folder key of the app's own data sets from files (a user's data module may create or
-# download its folder: not checked).
-DATA_FOLDERS = {"app.data.ImageFolder": "root", "app.data.HFImages": "path"}
-
-
-def check_data_folder(data: dict[str, Any]) -> None:
-    """A missing data folder, before the workers start (each would fail on it alike). Not at
-    compose time: a Slurm job may read a folder that only its nodes have."""
-    key = DATA_FOLDERS.get(str(data.get("_target_")))
-    if key and isinstance(data.get(key), str) and not Path(data[key]).expanduser().exists():
-        raise UserError(f"data.{key}={data[key]}: no such file or folder here")
 
 
 # -- what this machine has ----------------------------------------------------------------
 
-def _module(kind: str) -> Any:
+def available(kind: str) -> bool:
     import torch
 
-    return getattr(torch, kind, None)
-
-
-def available(kind: str) -> bool:
-    if kind == "cpu":
-        return True
-    if kind == "mps":
-        import torch
-
-        return torch.backends.mps.is_available()
-    module = _module(kind)  # torch.npu / torch.hpu exist once their plugins are imported
-    return module is not None and module.is_available()
+    return kind == "cpu" or getattr(torch.accelerator.current_accelerator(True), "type", "") == kind
 
 
 def device_count(kind: str) -> int:
-    if kind in ("cpu", "mps"):
-        return 1
-    return _module(kind).device_count() if available(kind) else 0
+    import torch
+
+    return torch.get_device_module(kind).device_count() if available(kind) else 0
 
 
 def resolve_accelerator(accelerator: str, strict: bool) -> str:
-    """The device type to run on: `auto` picks the first available accelerator, else cpu."""
     if accelerator not in ACCELERATORS:
         raise UserError(f"accelerator={accelerator}: expected one of {', '.join(ACCELERATORS)}")
     if accelerator == "auto":
@@ -186,9 +165,7 @@ def resolve_accelerator(accelerator: str, strict: bool) -> str:
 
 def resolve_devices(devices: int | str, kind: str) -> int:
     if devices == "auto":
-        return device_count(kind) if kind not in ("cpu", "mps") else 1
-    if kind == "mps" and devices > 1:
-        raise UserError(f"devices={devices}: a Mac has one mps device; use devices=1")
+        return device_count(kind)
     if kind != "cpu" and devices > device_count(kind):
         raise UserError(f"devices={devices}: only {device_count(kind)} {kind} device(s) are "
                         f"visible here; use devices={device_count(kind)} or devices=auto")
@@ -204,37 +181,24 @@ def resolve_devices(devices: int | str, kind: str) -> int:
 
 
 def check_device_id(kind: str, device_id: int, requested: str = "auto") -> None:
-    """Device `device_id` for a one-process run (the older launchers' --gpu); indices count
-    among the visible devices, as PyTorch numbers them under CUDA_VISIBLE_DEVICES. `requested`
-    is the accelerator asked for, which `kind` differs from when it fell back to the CPU."""
+    """Device `device_id` for a one-process run (the older launchers' --gpu), counted among the
+    visible devices as PyTorch numbers them. `requested`: the accelerator asked for (`kind` is
+    the CPU where it fell back)."""
     count = device_count(kind)
-    if not 0 <= device_id < count:
-        raise UserError(f"device_id={device_id}: {_no_such_device(kind, count, requested)}")
-
-
-def _no_such_device(kind: str, count: int, requested: str) -> str:
-    """Why device_id names no device here, and what to type instead."""
-    def shown(kind: str) -> str:
-        variable = VISIBLE_ENV.get(kind, "")
-        return f"{variable}={os.environ[variable]}" if os.environ.get(variable) else ""
-
-    if kind not in ("cpu", "mps"):
-        return (f"{count} {kind} device(s) are visible (0 to {count - 1}"
-                f"{'; ' + shown(kind) if shown(kind) else ''}); indices count among the visible "
-                f"devices") if count else f"no {kind} device is visible here; drop device_id"
-    if requested not in ("auto", kind):  # accelerator=cuda fell back to the CPU
-        where = f" ({shown(requested)})" if shown(requested) else ""
-        return (f"no {requested} device is visible here{where}, so the run would be on the "
-                f"{kind}, which is one device; drop device_id (and use accelerator={kind})")
-    if requested == "auto":
-        return f"{kind} has one device, and no GPU or other accelerator is visible; drop device_id"
-    return (f"{kind} has one device: device_id picks among GPUs and other accelerators "
-            f"(accelerator=cuda device_id=N); drop it for accelerator={kind}")
-
-
-def _free_local_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
+    if 0 <= device_id < count:
+        return
+    shown = {k: f"{v}={os.environ[v]}" for k, v in VISIBLE_ENV.items() if os.environ.get(v)}
+    if kind not in ("cpu", "mps"):  # (an available device type has a device)
+        why = (f"{count} {kind} device(s) are visible (0 to {count - 1}"
+               f"{'; ' + shown[kind] if kind in shown else ''}); indices count among the "
+               f"visible devices")
+    elif requested not in ("auto", kind):  # accelerator=cuda fell back to the CPU
+        where = f" ({shown[requested]})" if requested in shown else ""
+        why = (f"no {requested} device is visible here{where}, so the run would be on the "
+               f"{kind}, which is one device; drop device_id (and use accelerator={kind})")
+    elif requested == "auto":
+        why = f"{kind} has one device, and no GPU or other accelerator is visible; drop device_id"
+    else:
+        why = (f"{kind} has one device: device_id picks among GPUs and other accelerators "
+               f"(accelerator=cuda device_id=N); drop it for accelerator={kind}")
+    raise UserError(f"device_id={device_id}: {why}")
