@@ -1,21 +1,17 @@
 """The stop signals, Ctrl-C (SIGINT) and SIGTERM: every handler app sets, in one module.
 
-What each part of a command does with them:
-- While it composes, submits or sets a run up: SIGTERM ends it as Ctrl-C does
-  (`sigterm_raises`: `Terminated`, a KeyboardInterrupt), exit 128 + the signal (`exit_on`).
-- A job of a job system (submitit) keeps that system's handling (submitit ignores SIGTERM, as
-  Slurm sends it before its SIGKILL), but a SIGTERM that arrives before the loop is not lost:
-  it is held (`hold_sigterm`) and the loop stops at its first step with a checkpoint.
-- The loop and the launcher of local workers catch both (`caught`): they stop at a step.
-- Once the run has completed, a signal stops nothing (`stop_signals_stop_nothing`).
-
-Python runs handlers in the main thread only: elsewhere these set nothing.
+While a command composes, submits or sets a run up, SIGTERM ends it as Ctrl-C does (`exit_on`).
+A job of a job system keeps that system's handling (submitit ignores the SIGTERM Slurm sends
+before its SIGKILL), but one before the loop is held for it (`hold_sigterm`). The loop and the
+launcher of local workers stop at a step (`caught`); once the run has completed, a signal stops
+nothing (`stop_signals_stop_nothing`). Handlers are set in the main thread only (Python's rule).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import signal
 import sys
@@ -32,28 +28,19 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (a closed session, `kill`) where the command ends as on Ctrl-C."""
 
 
-def name(sig: int) -> str:
-    return "SIGINT (Ctrl-C)" if sig == signal.SIGINT else signal.Signals(sig).name
-
-
-def signum(e: KeyboardInterrupt) -> int:
-    return signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
-
-
 def exit_on(e: KeyboardInterrupt, say: Callable[[str], Any], what: str = "") -> NoReturn:
     """One line, "stopped by SIG[: what]", then exit with the shell's status for the signal."""
-    say(f"stopped by {name(signum(e))}" + (f": {what}" if what else ""))
-    sys.exit(128 + signum(e))
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
+    sig = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+    said = "SIGTERM" if isinstance(e, Terminated) else "SIGINT (Ctrl-C)"
+    say(f"stopped by {said}" + (f": {what}" if what else ""))
+    sys.exit(128 + sig)
 
 
 def install(handler: Any, signals: tuple[int, ...] = STOP_SIGNALS) -> dict[int, Any]:
-    """`handler` (a function, SIG_IGN or SIG_DFL) for `signals`; returns the handlers before
-    it, for `restore`."""
-    return {sig: signal.signal(sig, handler) for sig in signals} if _main_thread() else {}
+    """Returns the handlers before, for `restore`."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in signals}
 
 
 def restore(previous: dict[int, Any]) -> None:
@@ -63,8 +50,6 @@ def restore(previous: dict[int, Any]) -> None:
 
 @contextlib.contextmanager
 def caught(handler: Any, signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[dict[int, Any]]:
-    """`handler` for `signals` while in the block; the handlers before it (yielded) are put
-    back after it."""
     previous = install(handler, signals)
     try:
         yield previous
@@ -99,19 +84,18 @@ def held() -> int | None:
     return _held.pop(0) if _held else None
 
 
-_ignored_at_exit = False
+@functools.cache
+def _ignore_at_exit() -> None:
+    atexit.register(install, signal.SIG_IGN)  # (registered last: it runs first at exit)
 
 
 def stop_signals_stop_nothing() -> None:
-    """Once the run has completed (not between the jobs of a sweep, where a signal ends the
-    sweep: the next job has not begun): a stop signal must not turn a completed run, which
-    result.json says it is, into one ended by that signal as the process ends. The first is
-    noted at exit; a second ends the process as it would have.
+    """Once the run has completed (result.json says so), a stop signal must not turn it into a
+    run ended by that signal: the first is noted at exit; a second ends the process.
 
-    Python puts back the default action of every signal it handles when the interpreter
-    finalizes, and torch's own clean-up takes a few tenths of a second: from the first exit
-    handler on, both signals are ignored, which finalization keeps."""
-    global _ignored_at_exit
+    Python puts back the default action of the signals it handles as the interpreter finalizes,
+    and torch's clean-up takes a few tenths of a second: from the first exit handler on, both
+    signals are ignored."""
     received: list[int] = []
 
     def late(signum: int, frame: object) -> None:
@@ -121,9 +105,5 @@ def stop_signals_stop_nothing() -> None:
                             "stopped", signal.Signals(signum).name)
         received.append(signum)
 
-    if not _main_thread():
-        return
-    install(late)
-    if not _ignored_at_exit:  # (registered last, so it runs first at exit)
-        atexit.register(install, signal.SIG_IGN)
-        _ignored_at_exit = True
+    if install(late):  # (not in another thread)
+        _ignore_at_exit()

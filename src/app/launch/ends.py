@@ -1,15 +1,13 @@
-"""How a rank of a run ended other than by completing, in one format for every rank (spawned
-here, torchrun, Slurm): `logs/rank{N}.end.json`, written by the rank itself as it ends: stopped
-by a signal, failed, or stalled (the watchdog's verdict). The earliest failure is the
-cause, picked here for everyone who asks (rank 0 of a job, the launcher of spawned workers):
-a rank that fails makes its peers fail in their next collective.
-
-Not the elastic `@record` error file: its timestamp has whole seconds, and the ranks of one
-failure end within milliseconds of each other.
+"""How a rank of a run ended other than by completing, in one format for every rank (spawned,
+torchrun, Slurm): `logs/rank{N}.end.json`, written by the rank as it ends (stopped, failed, or
+stalled: the watchdog's verdict). The cause is picked here for everyone who asks: a failing
+rank makes its peers fail in their next collective. (Not the elastic `@record` error file: its
+timestamp has whole seconds, and the ranks of one failure end within milliseconds.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -22,27 +20,18 @@ STOPPED, FAILED, STALLED = "stopped", "failed", "stalled"
 _stalled = False  # this process's end was a stall: what it raises afterwards is its effect
 
 
-def _path(run_dir: Path, rank: int) -> Path:
-    return run_dir / "logs" / f"rank{rank}.end.json"
-
-
-def write(run_dir: Path, rank: int, status: str, error: BaseException | str) -> None:
+def write(run_dir: Path, rank: int, error: BaseException | str, status: str = "") -> None:
     """Record how this rank ended (a stall is kept over what follows it in this process)."""
     global _stalled
+    status = status or (STOPPED if isinstance(error, Interrupted | KeyboardInterrupt) else FAILED)
     if _stalled and status != STALLED:
         return
     _stalled = status == STALLED
     record = {"rank": rank, "pid": os.getpid(), "time": time.time(), "status": status,
               "error": one_line(error) if isinstance(error, BaseException) else error,
               "exit_code": error.exit_code if isinstance(error, AppError) else 1}
-    try:
-        _path(run_dir, rank).write_text(json.dumps(record))
-    except OSError:
-        pass  # (the error itself is what the rank reports)
-
-
-def status_of(error: BaseException) -> str:
-    return STOPPED if isinstance(error, Interrupted | KeyboardInterrupt) else FAILED
+    with contextlib.suppress(OSError):  # (the error itself is what the rank reports)
+        (run_dir / "logs" / f"rank{rank}.end.json").write_text(json.dumps(record))
 
 
 def read(run_dir: Path, since: float, ranks: range | None = None) -> dict[int, dict[str, Any]]:

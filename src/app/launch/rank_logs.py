@@ -19,13 +19,10 @@ class ConsoleHandler(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:
         tqdm = sys.modules.get("tqdm")  # no bar can be shown before tqdm is imported
         if tqdm is None or not getattr(tqdm.tqdm, "_instances", None):
-            super().emit(record)
-            return
+            return super().emit(record)
         try:
             tqdm.tqdm.write(self.format(record), file=self.stream)
             self.flush()
-        except RecursionError:
-            raise
         except Exception:
             self.handleError(record)
 
@@ -36,8 +33,7 @@ def setup_rank_logging(run_dir: Path, rank: int, keep_handlers: bool) -> None:
     if not keep_handlers:
         # A spawned worker starts bare, a forked one inherits the parent's handlers, and under
         # torchrun each rank's Hydra set them up: none of that is wanted except on rank 0.
-        for handler in list(root.handlers):
-            root.removeHandler(handler)
+        root.handlers = []
         if rank == 0:
             console = ConsoleHandler(sys.stdout)
             train_log = logging.FileHandler(run_dir / "train.log")
@@ -51,7 +47,4 @@ def setup_rank_logging(run_dir: Path, rank: int, keep_handlers: bool) -> None:
     root.setLevel(logging.INFO)
     # A worker's failure goes to its own log only; the launching process reports it once.
     failures = logging.getLogger(FAILURE_LOGGER)
-    failures.propagate = False
-    for handler in list(failures.handlers):
-        failures.removeHandler(handler)
-    failures.addHandler(own)
+    failures.propagate, failures.handlers = False, [own]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,22 +29,28 @@ def launch(cfg: AppConfig, run_dir: Path, env: ProcessEnv) -> float | None:
             return _spawn_restarting(cfg, run_dir, env, chosen)
     from app.launch.worker import run_rank, worker  # (torch)
 
-    if chosen.how is How.rank:
-        setup_rank_logging(run_dir, env.rank, keep_handlers=env.rank == 0)
-        log.info("rank %d of %d from %s (rendezvous %s)", env.rank, env.world_size,
-                 env.kind.value, env.dist_url)
-        return run_rank(cfg, run_dir, chosen, env, _stall_reporter(run_dir, env.rank))
-    with stacks_on_signal(run_dir / "logs" / "rank0.stacks"):
-        return worker(cfg, run_dir, chosen.device())
+    if chosen.how is How.in_process:
+        with stacks_on_signal(run_dir / "logs" / "rank0.stacks"):
+            return worker(cfg, run_dir, chosen.device())
+    setup_rank_logging(run_dir, env.rank, keep_handlers=env.rank == 0)
+    log.info("rank %d of %d from %s (rendezvous %s)", env.rank, env.world_size,
+             env.kind.value, env.dist_url)
+    started = time.monotonic()
+
+    def stalled(message: str) -> None:  # (app.launch.watchdog: the process exits after this)
+        log.error("%s", message)
+        if env.rank == 0:  # the run's record, as __main__ writes it for an error
+            write_result(run_dir, "failed", time.monotonic() - started, f"Stalled: {message}")
+
+    return run_rank(cfg, run_dir, chosen, env, stalled)
 
 
 def _spawn_restarting(cfg: AppConfig, run_dir: Path, env: ProcessEnv, chosen: Plan
                       ) -> float | None:
-    """Spawn the workers; after one dies by a signal (WorkerKilled), start them all again,
-    up to distributed.max_restarts times. They resume from the run directory's last
-    checkpoint (resume=auto) exactly as a rerun of the command would."""
-    allowed = cfg.distributed.max_restarts
-    restarts = 0
+    """Spawn the workers; after one dies by a signal (WorkerKilled), start them all again, up
+    to distributed.max_restarts times, from the last checkpoint (resume=auto) as a rerun of
+    the command would."""
+    allowed, restarts = cfg.distributed.max_restarts, 0
     while True:
         try:
             return spawn(cfg, run_dir, chosen)
@@ -62,17 +67,3 @@ def _spawn_restarting(cfg: AppConfig, run_dir: Path, env: ProcessEnv, chosen: Pl
         # What was checkpointed in this run directory, whatever the first start loaded.
         cfg = replace(cfg, resume="auto")
         chosen = plan(cfg, env)  # (a new rendezvous port)
-
-
-def _stall_reporter(run_dir: Path, rank: int) -> Callable[[str], None]:
-    """How a rank of a torchrun/SLURM job reports the stall that ends it (app.launch.watchdog): the
-    line in its log (rank 0's on the console too), and rank 0 records the failure, as
-    __main__ does for an error (the process exits without returning there)."""
-    started = time.monotonic()
-
-    def report(message: str) -> None:
-        log.error("%s", message)
-        if rank == 0:
-            write_result(run_dir, "failed", time.monotonic() - started, f"Stalled: {message}")
-
-    return report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -62,14 +63,13 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device,
 def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
              on_stall: Callable[[str], None]) -> float | None:
     """Join the process group as `me`, run the mode, leave the group; record how this rank
-    ended (app.launch.ends). `on_stall` reports the line that ends a stalled job
-    (app.launch.watchdog), before the process exits."""
+    ended (app.launch.ends). `on_stall` reports the line that ends a stalled job."""
     device = plan.device(me.local_rank)  # (current before the first collective)
     os.environ.update(cfg.distributed.nccl_env)  # opt-in NCCL_* settings, before NCCL starts
     started = time.time()
 
     def stalled(message: str) -> None:
-        ends.write(run_dir, me.rank, ends.STALLED, message)
+        ends.write(run_dir, me.rank, message, ends.STALLED)
         on_stall(message)
 
     with stacks_on_signal(run_dir / "logs" / f"rank{me.rank}.stacks"):
@@ -87,18 +87,15 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
             previous = signals.install(signal.SIG_IGN)
             return result
         except BaseException as e:
-            if guard is not None and isinstance(e, Exception):  # a collective failed as a
-                # stalled job ended: the stall
+            if guard is not None and isinstance(e, Exception):  # (a stalled job's end: the stall)
                 watchdog.hold_if_stalled(0 if isinstance(e, AppError) else 2 * guard.interval + 1)
-            ends.write(run_dir, me.rank, ends.status_of(e), e)  # (before its exit ends peers)
-            # A stop is no failure: every rank saved and stopped at the same step. A UserError
-            # is rank 0's own finding (the same one as its peer's, as a rule), not a broken
-            # collective.
+            ends.write(run_dir, me.rank, e)  # (before its exit ends its peers)
+            # Rank 0's error is, as a rule, the collective its peer's failure broke: the run's
+            # record (result.json, app.status) names the cause. (A stop is no failure, and a
+            # UserError is rank 0's own finding.)
             first = ends.first_failure(ends.read(run_dir, started)) if me.rank == 0 and \
                 isinstance(e, Exception) and not isinstance(e, Interrupted | UserError) else None
             if first is not None and first["rank"] != 0:
-                # Rank 0's own error is the collective its peer's end broke: the run's record
-                # (result.json, summaries, app.status) names the cause instead.
                 raise WorkerFailed(ends.failed_line(run_dir, first), first["exit_code"]) from e
             raise
         finally:
@@ -108,32 +105,27 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
             signals.restore(previous or {})
 
 
-def _die_with_launcher(launcher_alive: Connection) -> None:
-    """SIGTERM this worker when the launching process dies, however it dies (the stop path:
-    the ranks agree on a step and checkpoint, as on a SIGTERM from outside): no orphans."""
-    if sys.platform.startswith("linux"):  # a child of the launcher (fork, spawn)
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-    def watch() -> None:  # a child of the forkserver: the launcher's pipe ends
-        try:
-            launcher_alive.recv_bytes()
-        except (EOFError, OSError):
-            pass
-        log.warning("the launching process is gone: stopping")
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="app-launcher-watch", daemon=True).start()
-
-
 def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, plan: Plan,
                    launcher_alive: Connection, results: Connection) -> None:
     """The target of each local worker process (torch.multiprocessing.start_processes)."""
     signals.install(signal.default_int_handler, (signal.SIGINT,))  # (the server ignored it)
     if cfg.machine_rank == 0:  # (the workers of the machine whose launcher owns the run)
         hold_as_worker(run_dir)  # no new owner of the run until this worker has ended
-    _die_with_launcher(launcher_alive)
+    # SIGTERM (a stop at a step, with a checkpoint) when the launching process dies, however
+    # it dies: no orphans. A child of the launcher (fork: it holds the pipe) by its parent's
+    # death, a child of the forkserver by the end of the launcher's pipe.
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+    def watch() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            launcher_alive.recv_bytes()
+        log.warning("the launching process is gone: stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="app-launcher-watch", daemon=True).start()
     me = enter(spawned(local_rank, plan.devices, cfg.machine_rank, cfg.nodes, plan.url))
     # The same variables torchrun sets, for code that reads them.
     os.environ.update(RANK=str(me.rank), WORLD_SIZE=str(me.world_size),
