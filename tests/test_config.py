@@ -110,9 +110,10 @@ def test_wrong_type_fails_at_compose() -> None:
         make_config("trainer.max_epochs=many")
 
 
-def test_wrong_enum_fails_at_compose() -> None:
+@pytest.mark.parametrize("override", ["trainer.monitor_mode=up", "logger.wandb_mode=bogus"])
+def test_wrong_enum_fails_at_compose(override: str) -> None:
     with pytest.raises((ConfigCompositionException, ValidationError, ConfigKeyError)):
-        make_config("trainer.monitor_mode=up")
+        make_config(override)
 
 
 @pytest.mark.parametrize("overrides,words", [
