@@ -18,10 +18,6 @@ from app.training.build import build_data, build_trained_model
 log = logging.getLogger(__name__)
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
-
-
 @torch.no_grad()
 def run_export(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
     # Exported programs are traced on the CPU, where every deployment can load them.
@@ -51,8 +47,8 @@ def run_export(cfg: AppConfig, run_dir: Path, device: torch.device) -> float:
         pt2_loaded = torch.export.load(str(tmp)).module()
 
     eager = model(check)
-    diffs = {"torchscript": _max_diff(ts_loaded(check), eager),
-             "torch_export": _max_diff(pt2_loaded(check), eager)}
+    diffs = {name: (loaded(check) - eager).abs().max().item()
+             for name, loaded in (("torchscript", ts_loaded), ("torch_export", pt2_loaded))}
     write_text_atomically(out_dir / "check.json", json.dumps(
         {"batch_size": len(check), "tolerance": cfg.export.tolerance,
          "max_abs_diff": diffs}, indent=2) + "\n")

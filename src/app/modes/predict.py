@@ -174,12 +174,11 @@ def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | 
             row += [classes[int(preds[i])], "" if y is None else classes[label]]
         writer.writerow(row)
     write_text_atomically(run_dir / "predictions.csv", table.getvalue())
-    shown = len(x)
-    labels = None if y is None else y[:shown].tolist()
+    labels = None if y is None else y[:len(x)].tolist()
     accuracy = None if y is None else (preds == y).double().mean().item()
     title = f"{Path(str(cfg.ckpt)).name}: {len(names)} inputs" + (
         "" if accuracy is None else f", accuracy {accuracy:.2%} (green right, red wrong)")
-    save_grid(data.show(x[:shown]), preds[:shown].tolist(), labels, title,
+    save_grid(data.show(x), preds[:len(x)].tolist(), labels, title,
               run_dir / "predictions.png", classes=data.classes)
     log.info("predicted %d inputs -> %s, %s%s", len(names), run_dir / "predictions.csv",
              run_dir / "predictions.png",
