@@ -43,6 +43,7 @@ _WAIT_PATHS = tuple(os.path.join("torch", *parts) for parts in (
     ("distributed", ""), ("nn", "parallel", "distributed.py")))
 _WAIT_FUNCTIONS = {"_engine_run_backward", "run_backward"}
 
+
 def hold_if_stalled(within_s: float = 0.0) -> None:
     """For an error on its way out, with a watchdog running: when a verdict has ended the job
     (or comes within `within_s`), the error is another rank's end: wait for the watchdog to end
