@@ -38,16 +38,15 @@ class Decoded:
     instead of copying (`data.cache=true`); an image comes back exactly as decoding gives it,
     so training is the same with the cache and without."""
 
-    def __init__(self, images: list[Image.Image], mode: str) -> None:
+    def __init__(self, images: list[Image.Image]) -> None:
         arrays = [np.asarray(image, dtype=np.uint8) for image in images]
         self.shapes = [a.shape for a in arrays]
         self.offsets = [0, *itertools.accumulate(a.size for a in arrays)]
         self.pixels = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).share_memory_()
-        self.mode = mode
 
     def image(self, index: int) -> Image.Image:
         pixels = self.pixels[self.offsets[index]:self.offsets[index + 1]]
-        return Image.fromarray(pixels.view(self.shapes[index]).numpy(), mode=self.mode)
+        return Image.fromarray(pixels.view(self.shapes[index]).numpy())  # (its mode: L or RGB)
 
 
 class ImageSet(Augmented):
@@ -78,7 +77,7 @@ class ImageSet(Augmented):
         return len(self.labels)
 
     def share_memory(self) -> None:  # data.cache=true
-        self.decoded = Decoded([self._loaded(i) for i in range(len(self))], self.mode)
+        self.decoded = Decoded([self._loaded(i) for i in range(len(self))])
 
     def image(self, index: int) -> Image.Image:
         return self._loaded(index) if self.decoded is None else self.decoded.image(index)

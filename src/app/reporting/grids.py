@@ -34,10 +34,8 @@ def _pixels(image: torch.Tensor) -> Image.Image:
     array = np.clip(np.nan_to_num(image.detach().float().cpu().numpy()), 0, 1)
     array = array.reshape(1, 1, -1) if array.ndim < 2 else array[None] if array.ndim == 2 \
         else array.reshape(-1, *array.shape[-2:])
-    if array.shape[0] in (3, 4):
-        rgb = array[:3].transpose(1, 2, 0)
-        return Image.fromarray(np.round(255 * rgb).astype(np.uint8), mode="RGB")
-    return Image.fromarray(np.round(255 * array[0]).astype(np.uint8), mode="L")
+    pixels = array[:3].transpose(1, 2, 0) if array.shape[0] in (3, 4) else array[0]
+    return Image.fromarray(np.round(255 * pixels).astype(np.uint8))  # (H, W, 3): RGB; (H, W): L
 
 
 # Fonts tried in turn for a label that Pillow's own font cannot draw (it has ASCII only: "café"
