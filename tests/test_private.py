@@ -5,20 +5,7 @@ An upgrade of PyTorch, Hydra, submitit or Python that moves one fails here, by n
 
 from __future__ import annotations
 
-import torch.distributed as tdist
-
 from app import _private
-
-
-def test_the_process_group_store_is_reached(tmp_path) -> None:
-    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
-                             world_size=1)
-    try:
-        store = _private.process_group_store()
-        store.set("probe", "1")
-        assert store.get("probe") == b"1"
-    finally:
-        tdist.destroy_process_group()
 
 
 def test_the_slurm_watcher_is_ours_and_reads_app_slurm(tmp_path, monkeypatch) -> None:

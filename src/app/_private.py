@@ -1,10 +1,9 @@
-"""Every reach into another library's private internals, in one place: three.
+"""Every reach into another library's private internals, in one place: two, both submitit's.
 
-PyTorch and submitit offer no public way to do these: the process group's store (the stall
-watchdog's channel), submitit's Slurm state watcher (squeue where sacct fails), and the
-sbatch script submitit would write (`dry_run`). Each accessor checks that what it reaches for
-is there; tests/test_private.py exercises each one on the installed versions, so an upgrade
-that moves one fails there, by name, rather than somewhere inside a run.
+submitit offers no public way to do these: its Slurm state watcher (squeue where sacct
+fails), and the sbatch script it would write (`dry_run`). Each accessor checks that what it
+reaches for is there; tests/test_private.py exercises each one on the installed versions, so
+an upgrade that moves one fails there, by name, rather than somewhere inside a run.
 """
 
 from __future__ import annotations
@@ -21,15 +20,6 @@ def _attr(owner: Any, name: str) -> Any:
         where = getattr(owner, "__name__", type(owner).__name__)
         raise InternalMissing(f"{where}.{name} is gone: this version changed an internal "
                               f"that app._private reaches for") from None
-
-
-# PyTorch ------------------------------------------------------------------------------------
-
-def process_group_store() -> Any:
-    """The default process group's store (the watchdog's own connection is cloned from it)."""
-    from torch.distributed import distributed_c10d
-
-    return _attr(distributed_c10d, "_get_default_store")()
 
 
 # submitit -----------------------------------------------------------------------------------
