@@ -33,14 +33,13 @@ def main(argv: list[str]) -> int:
     if status == 0:
         return 0
     import submitit
-    from submitit.core.utils import pickle_load
 
     from app import slurm
+    from app.sweeps.job_end import outcomes
 
     env = submitit.JobEnvironment()
     job = submitit.SlurmJob(folder=folder, job_id=env.job_id, tasks=range(env.num_tasks))
-    results = [job.task(t).paths.result_pickle for t in range(env.num_tasks)]
-    errors = sum(1 for p in results if p.exists() and pickle_load(p)[0] == "error")
+    errors = sum(r is not None and r[0] == "error" for r in outcomes(job, grace_s=0))
     counter = Path(job.paths.folder) / COUNT_FILE
     failures = len(counter.read_text().splitlines()) if counter.is_file() else 0
     listed = (slurm.jobs() or {}).get(env.job_id) or slurm.Job(env.job_id, "UNKNOWN")

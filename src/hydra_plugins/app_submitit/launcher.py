@@ -55,8 +55,11 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         assert self.config is not None
         # (submitit's warnings reach Hydra's console handler anyway: not printed twice)
         logging.getLogger("submitit").handlers.clear()
-        if not self.wait:
-            self._refuse_sweepers_that_need_results()
+        sweeper = str(OmegaConf.select(self.config, "hydra.sweeper._target_", default=""))
+        if not self.wait and sweeper and not sweeper.endswith(".BasicSweeper"):
+            refuse("hydra.launcher.wait=false: the sweeper %s chooses each trial from the "
+                   "results of the others, which a command that does not wait never sees; "
+                   "submit it with wait=true", sweeper)
         try:
             with sigterm_raises():
                 self.composed = {initial_job_idx + i: self._compose_and_validate(
@@ -95,9 +98,7 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
 
             from ._slurm_states import SlurmStates
 
-            # Shared by every SlurmJob of this process (submitit's design): jobs register
-            # with it when created, so it is set before submitting.
-            set_slurm_watcher(SlurmStates())
+            set_slurm_watcher(SlurmStates())  # (jobs register with it as they are created)
         try:
             with sigterm_raises():
                 jobs = self._submit(submitit, executor, overrides, sweep_dir)
@@ -145,14 +146,6 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
 
     def _setup_lines(self) -> list[str]:
         return [KILL_ON_BAD_EXIT, *(self.params.get("setup") or [])]
-
-    def _refuse_sweepers_that_need_results(self) -> None:
-        assert self.config is not None
-        sweeper = str(OmegaConf.select(self.config, "hydra.sweeper._target_", default=""))
-        if sweeper and not sweeper.endswith(".BasicSweeper"):
-            refuse("hydra.launcher.wait=false: the sweeper %s chooses each trial from the "
-                   "results of the others, which a command that does not wait never sees; "
-                   "submit it with wait=true", sweeper)
 
     def _detached(self, jobs: dict[int, Any], overrides: dict[int, list[str]],
                   sweep_dir: Path) -> list[JobReturn]:
