@@ -49,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--losses", help="write the loss of every step here (JSON)")
+    p.add_argument("--plot", help="draw the loss curve here (PNG, matplotlib), as app draws "
+                                  "plots/curves.png at a run's end")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (bench/gpu_steps.py)")
     return p
 
@@ -114,6 +116,13 @@ def main() -> None:
     if args.losses and int(os.environ.get("RANK", 0)) == 0:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
+    if args.plot and int(os.environ.get("RANK", 0)) == 0:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        figure = Figure(figsize=(6, 4))
+        figure.add_subplot().plot(losses)
+        FigureCanvasAgg(figure).print_png(args.plot)
 
 
 if __name__ == "__main__":

@@ -247,14 +247,16 @@ step after a checkpoint minus the median step (noisier: single steps)."""
 
 
 def memory(tmp: Path, repeats: int) -> str:
-    """Peak resident memory of whole runs (processes), app and plain loop alternating."""
+    """Peak resident memory of whole runs (processes), app and plain loop alternating; the
+    plain loop draws its loss curve with matplotlib at its end, as app draws its curves."""
     rows = []
     for i, (name, (steps, app_args, plain_args)) in enumerate(CASES.items()):
         apps, plains = [], []
         for r in range(max(1, repeats - 1)):  # memory hardly varies between runs
             apps.append(run_probed(app_cmd(*app_args, f"trainer.max_steps={steps}",
                                            f"hydra.run.dir={tmp / f'mem{i}-{r}'}"), steps, REPO))
-            plains.append(run_probed(plain_cmd(*plain_args, "--steps", str(steps)), steps, REPO))
+            plains.append(run_probed(plain_cmd(*plain_args, "--steps", str(steps), "--plot",
+                                               str(tmp / f"plain{i}-{r}.png")), steps, REPO))
         a, p = Stat([x.peak_rss_mb for x in apps]), Stat([x.peak_rss_mb for x in plains])
         ratio = paired_ratio(a, p)
         rows.append(f"| {name} | {p.fmt(digits=0, unit=' MB')} | {a.fmt(digits=0, unit=' MB')} "
@@ -341,6 +343,8 @@ run alone).
 
 Peak resident memory (VmHWM, recorded by the probe at exit) of whole runs as processes:
 `python -m app` with the case's settings against `python bench/plain_loop.py`, alternating.
+Both draw their curves with matplotlib at the end (app: `plots/curves.png`; the plain loop:
+`--plot`): importing matplotlib costs some 30 MB once, whatever the model.
 
 {s['memory']}
 
