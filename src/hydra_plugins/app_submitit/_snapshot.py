@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +33,8 @@ def import_roots() -> list[Path]:
     """The working directory, PYTHONPATH, app's source outside site-packages, in order."""
     import app
 
-    roots = [Path.cwd()] if sys.version_info >= (3, 11) else []
-    roots += [Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    roots = [Path.cwd(), *(Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                           if p)]
     source = Path(app.__file__).resolve().parents[1]
     if not {"site-packages", "dist-packages"} & set(source.parts):
         roots.append(source)
