@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -119,16 +118,12 @@ if OptunaSweeper is not None:
             impl.launcher.launch = launch_and_keep
             # Between trials no handler of the app's is set: SIGTERM would end the process
             # before the trials told since the last batch are kept.
-            from app.signals import caught
+            from app.signals import sigterm_raises
 
             try:
-                with caught(_exit, (signal.SIGTERM,)):
+                with sigterm_raises():
                     return impl.sweep(arguments)
             finally:
                 impl.launcher.launch = launch
                 _save(path, impl.storage, impl.study_name, max(next_job[0], impl.job_idx),
                       running_from[0])
-
-
-def _exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
