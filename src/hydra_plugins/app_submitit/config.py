@@ -77,11 +77,10 @@ def is_app(search_path: ConfigSearchPath) -> bool:
 def choose_launchers(app: bool) -> None:
     """app's nodes under the stock names for app; the stock ones back for any other program."""
     store = ConfigStore.instance()
-    for name, (ours, stock) in _NODES.items():
-        current = store.repo.get("hydra", {}).get("launcher", {}).get(f"{name}.yaml")
+    for name, (ours, stock) in _NODES.items():  # (the stock nodes were stored on import)
         if app:
             store.store(group="hydra/launcher", name=name, node=ours, provider=_PROVIDER)
-        elif current is not None and current.provider == _PROVIDER:
+        elif store.load(f"hydra/launcher/{name}.yaml").provider == _PROVIDER:
             store.store(group="hydra/launcher", name=name, node=stock(),
                         provider="submitit_launcher")
 
