@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import warnings
@@ -114,3 +115,29 @@ def test_ddp_syncs_buffers_as_asked_without_a_deprecation_warning() -> None:
             assert (ddp.broadcast_buffers if synced is None else synced) is sync
     finally:
         tdist.destroy_process_group()
+
+
+def test_an_nccl_rank_turns_pytorchs_flight_recorder_on(tmp_path, monkeypatch) -> None:
+    # At a collective's timeout NCCL ranks dump their last collectives into the run's logs/
+    # (PyTorch's Flight Recorder); a setting of the user's is kept. Read as the rank joins.
+    from app.env import Kind, ProcessEnv
+    from app.launch import worker
+    from app.launch.plan import How, Plan
+
+    seen = {}
+
+    def join(*args, **kwargs) -> None:
+        seen.update({k: os.environ.get(k) for k in (
+            "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")})
+        raise KeyboardInterrupt  # (no NCCL here: stop before the process group)
+
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+    monkeypatch.setattr(worker.dist, "init", join)
+    (tmp_path / "logs").mkdir()
+    me = ProcessEnv(Kind.torchrun, rank=0, world_size=2, master_addr="127.0.0.1", master_port=1)
+    with pytest.raises(KeyboardInterrupt):
+        worker.run_rank(make_config(), tmp_path, Plan(How.rank, "cpu", "nccl"), me, print)
+    assert seen == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+                    "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/logs/nccl_trace_rank_"}

@@ -66,6 +66,11 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
     ended (app.launch.ends). `on_stall` reports the line that ends a stalled job."""
     device = plan.device(me.local_rank)  # (current before the first collective)
     os.environ.update(cfg.distributed.nccl_env)  # opt-in NCCL_* settings, before NCCL starts
+    if plan.backend == "nccl":  # PyTorch's Flight Recorder: at a collective's timeout each
+        # rank dumps its last collectives to logs/ (as torchtitan does; the user's settings win)
+        for name, value in (("TORCH_FR_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                            ("TORCH_FR_DUMP_TEMP_FILE", f"{run_dir}/logs/nccl_trace_rank_")):
+            os.environ.setdefault(name, value)
     started = time.time()
 
     def stalled(message: str) -> None:
