@@ -1,9 +1,10 @@
 """Every reach into another library's private internals, in one place: two, both submitit's.
 
-submitit offers no public way to do these: its Slurm state watcher (squeue where sacct
-fails), and the sbatch script it would write (`dry_run`). Each accessor checks that what it
-reaches for is there; tests/test_private.py exercises each one on the installed versions, so
-an upgrade that moves one fails there, by name, rather than somewhere inside a run.
+submitit offers no public way to do these: its Slurm state watcher (replaced by one that
+reads app.slurm's job states: scontrol, then sacct), and the sbatch script it would write
+(`dry_run`). Each accessor checks that what it reaches for is there; tests/test_private.py
+exercises each one on the installed versions, so an upgrade that moves one fails there, by
+name, rather than somewhere inside a run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _attr(owner: Any, name: str) -> Any:
 # submitit -----------------------------------------------------------------------------------
 
 def slurm_info_watcher() -> type:
-    """submitit's class that polls sacct for job states (subclassed to add squeue)."""
+    """submitit's class that polls sacct for job states (subclassed to read app.slurm's)."""
     from submitit.slurm.slurm import SlurmInfoWatcher
 
     return SlurmInfoWatcher
