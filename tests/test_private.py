@@ -39,3 +39,14 @@ def test_the_sbatch_script_of_an_array_is_written_as_submitit_writes_it(tmp_path
     assert "#SBATCH --array=0-2%3" in array and "#SBATCH --partition=debug" in array
     assert "#SBATCH --time=5" in array and "-m submitit.core._submit" in array
     assert "--array" not in _private.sbatch_script(executor, 1)
+
+
+def test_a_dcp_checkpoint_is_read_whole_without_a_model(tmp_path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optimizer": {"lr": 0.5}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    read = _private.read_dcp_whole(dcp.FileSystemReader(str(tmp_path)))
+    assert torch.equal(read["model"]["w"], state["model"]["w"])
+    assert read["optimizer"] == {"lr": 0.5}

@@ -1,10 +1,12 @@
-"""Every reach into another library's private internals, in one place: two, both submitit's.
+"""Every reach into another library's private internals, in one place: three.
 
-submitit offers no public way to do these: its Slurm state watcher (replaced by one that
-reads app.slurm's job states: scontrol, then sacct), and the sbatch script it would write
-(`dry_run`). Each accessor checks that what it reaches for is there; tests/test_private.py
-exercises each one on the installed versions, so an upgrade that moves one fails there, by
-name, rather than somewhere inside a run.
+PyTorch and submitit offer no public way to do these: reading a sharded checkpoint whole in
+memory without a model (DCP's public route, dcp_to_torch_save, writes a copy to disk first),
+submitit's Slurm state watcher (replaced by one that reads app.slurm's job states: scontrol,
+then sacct), and the sbatch script submitit would write (`dry_run`). Each accessor checks that
+what it reaches for is there; tests/test_private.py exercises each one on the installed
+versions, so an upgrade that moves one fails there, by name, rather than somewhere inside a
+run.
 """
 
 from __future__ import annotations
@@ -21,6 +23,20 @@ def _attr(owner: Any, name: str) -> Any:
         where = getattr(owner, "__name__", type(owner).__name__)
         raise InternalMissing(f"{where}.{name} is gone: this version changed an internal "
                               f"that app._private reaches for") from None
+
+
+# PyTorch ------------------------------------------------------------------------------------
+
+def read_dcp_whole(reader: Any) -> dict[str, Any]:
+    """Every tensor of a DCP checkpoint, whole, in this process alone (no process group):
+    what DCP's own dcp_to_torch_save does before it writes the result to a file."""
+    from torch.distributed.checkpoint import default_planner, state_dict_loader
+
+    state: dict[str, Any] = {}
+    _attr(state_dict_loader, "_load_state_dict")(
+        state, storage_reader=reader,
+        planner=_attr(default_planner, "_EmptyStateDictLoadPlanner")(), no_dist=True)
+    return state
 
 
 # submitit -----------------------------------------------------------------------------------

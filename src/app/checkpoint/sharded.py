@@ -23,7 +23,6 @@ import importlib
 import logging
 import pickle
 import shutil
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -222,22 +221,18 @@ def _first_line(e: BaseException) -> str:
 
 
 def read_tensors(path: str | Path) -> dict[str, Any]:
-    """Every tensor of a sharded checkpoint, whole, in this process (no process group).
-
-    Through DCP's own converter to a torch.save file (read back weights-only): its public
-    route, which reads in this process alone whatever the processes around it do."""
+    """Every tensor of a sharded checkpoint, whole, in this process (no process group)."""
     path = Path(path)
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from app._private import read_dcp_whole
 
     read_index(path)  # (DCP unpickles it again: checked first)
-    with tempfile.TemporaryDirectory(prefix="app-dcp-") as tmp:
-        whole = Path(tmp, "whole.pt")
-        try:
-            dcp_to_torch_save(path, whole)
-        except (Exception, CheckpointException) as e:
-            raise UserError(f"checkpoint {path}: its shards do not read ({dcp_error(e)})") from e
-        return torch.load(whole, map_location="cpu", weights_only=True)
+    try:
+        return read_dcp_whole(FileSystemReader(str(path)))
+    except (Exception, CheckpointException) as e:
+        raise UserError(f"checkpoint {path}: its shards do not read ({dcp_error(e)})") from e
 
 
 def optimizer_by_ids(state: dict[str, Any]) -> dict[str, Any]:
