@@ -33,7 +33,10 @@ from slurm_cluster import (  # noqa: E402
 on_the_cluster = pytest.mark.usefixtures("slurm_cluster")
 
 # 8 epochs of 11 steps, a checkpoint after each: long enough to be hit in the middle.
-TRAINING = ["devices=2", *TINY, "trainer.max_epochs=8", "trainer.ckpt_every_n_epochs=1"]
+# Each step slowed by 50 ms (faults.FaultyCNN, same numbers): a job on an idle machine trains
+# 88 steps in about a second, less than the test needs to act on it mid-training.
+TRAINING = ["devices=2", *TINY, "trainer.max_epochs=8", "trainer.ckpt_every_n_epochs=1",
+            "model._target_=faults.FaultyCNN", "+model.fault=slow"]
 
 
 # -- in-process: when a job is requeued ----------------------------------------------------------

@@ -44,6 +44,8 @@ class FaultyCNN(CNN):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.fault == "slow" and dist.rank() == self.fault_rank:
+            time.sleep(0.05)  # (every step: a window to act in mid-training; numbers unchanged)
         if self.training:
             self.calls += 1
             if self._fires():
