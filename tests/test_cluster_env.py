@@ -14,7 +14,7 @@ from app import env as env_module
 from app.env import SINGLE, Kind, check_horovod, detect, first_host, spawned
 from app.errors import UserError
 from app.launch.plan import device_count, resolve_devices
-from app.run_name import run_name
+from app.rundir.name import run_name
 
 NOW = datetime(2026, 12, 2, 15, 4, 5, 123456)
 

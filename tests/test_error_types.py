@@ -57,7 +57,7 @@ def test_exit_status_comes_with_the_class() -> None:
 
 def test_the_paths_errors_were_imported_from_still_work() -> None:
     from app.config import UserError as from_config
-    from app.launch.run_lock import RunDirInUse
+    from app.rundir.lock import RunDirInUse
     from app.training.data_errors import DataItemError
 
     assert (from_config, RunDirInUse, DataItemError) == (

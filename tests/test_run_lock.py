@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from app.launch.run_lock import RunDirInUse, RunLock, hold_as_worker
+from app.rundir.lock import RunDirInUse, RunLock, hold_as_worker
 from conftest import REPO, TINY, multirun, read_metrics, run_app, wait_for_rows
 
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from app import files
 from app.env import SINGLE, detect
 from app.files import write_text_atomically
-from app.launch.run_lock import owns_run
+from app.rundir.lock import owns_run
 from hydra_plugins.app_submitit.launcher import AppSlurmLauncher
 
 

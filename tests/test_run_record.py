@@ -1,5 +1,5 @@
 """A command that fails before it trains leaves the record of the run it was pointed at as it
-was (app.launch.run_record); an empty run or sweep directory is refused."""
+was (app.rundir.record); an empty run or sweep directory is refused."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-from app.launch.run_record import RECORD
+from app.rundir.record import RECORD
 from conftest import HELPERS, TINY, assert_ok, run_app
 
 

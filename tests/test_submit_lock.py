@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from app.launch.run_lock import held_now
+from app.rundir.lock import held_now
 from conftest import HELPERS, TINY
 
 sys.path.insert(0, str(HELPERS))

@@ -256,7 +256,7 @@ def test_the_worker_server_ignores_ctrl_c_while_it_imports_torch() -> None:
 def test_the_resume_hint_names_the_sweep_for_a_job_of_a_sweep(tmp_path) -> None:
     """A stopped job of a sweep (Slurm too) resumes with the sweep's command; told to rerun
     its run directory alone, it would have resumed locally, outside its sweep."""
-    from app.run_name import resume_hint
+    from app.rundir.name import resume_hint
 
     assert resume_hint(tmp_path / "run") == f"run again with hydra.run.dir={tmp_path / 'run'} " \
                                             f"to resume"
@@ -267,7 +267,7 @@ def test_the_resume_hint_names_the_sweep_for_a_job_of_a_sweep(tmp_path) -> None:
 
 def test_the_resume_hint_knows_a_sweep_job_without_multirun_yaml(tmp_path) -> None:
     """The Optuna sweeper writes no multirun.yaml: the job's own hydra.yaml says MULTIRUN."""
-    from app.run_name import resume_hint
+    from app.rundir.name import resume_hint
 
     job = tmp_path / "search" / "1"
     (job / ".hydra").mkdir(parents=True)

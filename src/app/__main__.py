@@ -20,13 +20,13 @@ from app.config import register_schemas, to_app_config
 from app.env import enter, reproducible_matmuls, this_process
 from app.errors import AppError, Interrupted, RunDirInUse, UserError, one_line
 from app.from_run import apply_run
-from app.launch import run_record
 from app.launch.plan import spawns_workers
 from app.launch.run import launch
-from app.launch.run_lock import owns_run, take
 from app.launch.spawn import prestart
 from app.reporting.results import write_result
 from app.resolvers import register_resolvers
+from app.rundir import record as run_record
+from app.rundir.lock import owns_run, take
 from app.signals import exit_on, raise_on_sigterm, stop_signals_stop_nothing
 
 log = logging.getLogger("app")

@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from urllib.parse import urlsplit
 
 from app.errors import UserError
@@ -20,7 +20,7 @@ from app.errors import UserError
 DEFAULT_PORT = 29500
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     torchrun = "torchrun"
     slurm = "slurm"
     mpi = "mpi"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from app.reporting.curves import draw_curves
 from app.reporting.results import folder_arg
-from app.run_name import is_job_of_sweep
+from app.rundir.name import is_job_of_sweep
 from app.sweeps.summary import curves_note, job_summary, markdown, write_summary
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from app.errors import UserError
-from app.run_name import run_name
+from app.rundir.name import run_name
 
 
 def slurm_tasks_per_node(devices: int | str) -> int:

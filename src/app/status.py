@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from app import slurm
-from app.launch.run_lock import LOCK_NAME
 from app.reporting.results import folder_arg
+from app.rundir.lock import LOCK_NAME
 from app.sweeps.summary import collect, job_summary
 
 PROGRESS = re.compile(r"\] - step (\d+)/(\d+) ")  # the loop's log line: "step N/M epoch E: ..."

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,7 +40,7 @@ DATA_FOLDERS = {"app.data.ImageFolder": "root", "app.data.HFImages": "path"}
 CPU_PROCESSES_PER_CORE = 4
 
 
-class How(str, Enum):
+class How(StrEnum):
     in_process = "in_process"  # this process runs the mode
     spawn = "spawn"  # this process starts `devices` workers, one rank each
     rank = "rank"  # this process is one rank of a job torchrun, SLURM or MPI started

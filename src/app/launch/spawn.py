@@ -25,7 +25,7 @@ from app import signals
 from app.config import AppConfig, Mode
 from app.errors import Interrupted, WorkerFailed, WorkerKilled
 from app.launch import ends
-from app.run_name import resume_hint
+from app.rundir.name import resume_hint
 
 if TYPE_CHECKING:
     from app.launch.plan import Plan

@@ -23,8 +23,8 @@ from app.env import ProcessEnv, enter, spawned
 from app.errors import AppError, Interrupted, UserError, WorkerFailed
 from app.launch import ends, watchdog
 from app.launch.rank_logs import FAILURE_LOGGER, setup_rank_logging
-from app.launch.run_lock import hold_as_worker
 from app.launch.stacks import stacks_on_signal
+from app.rundir.lock import hold_as_worker
 from app.training.data_errors import loader_worker_died
 from app.training.runtime import apply_runtime_flags
 

@@ -22,9 +22,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from app.env import this_process
-from app.launch.run_lock import claim_for_job, claim_for_run, refused
 from app.reporting.curves import draw_curves
 from app.reporting.results import RESULT, read_metrics, read_result
+from app.rundir.lock import claim_for_job, claim_for_run, refused
 from app.signals import stop_signals_stop_nothing
 from app.sweeps.plots import draw_summary
 

@@ -24,7 +24,7 @@ from app.data import DataModule
 from app.errors import Interrupted, UserError
 from app.reporting.curves import draw_curves
 from app.reporting.loggers import MetricLogger
-from app.run_name import resume_hint
+from app.rundir.name import resume_hint
 from app.training.build import (
     ResumableSampler,
     build_data,

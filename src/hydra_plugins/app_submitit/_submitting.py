@@ -21,7 +21,7 @@ class SubmitSide:
         """Submit the jobs an earlier submission left in no queue (the others are followed).
         One command at a time: another one submitting there would submit the same jobs."""
         from app.errors import LockHeld
-        from app.launch.run_lock import held_now
+        from app.rundir.lock import held_now
 
         try:
             with held_now(sweep_dir / ".submit.lock"):

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from app.env import ProcessEnv, this_process
 from app.errors import LockHeld, RunDirInUse
-from app.launch import run_record
+from app.rundir import record as run_record
 
 log = logging.getLogger(__name__)
 
