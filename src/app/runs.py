@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from tqdm import tqdm
 
 from app.errors import first_line
 from app.flat import leaves
@@ -75,23 +76,18 @@ def value_of(run: dict[str, Any], key: str) -> Any:
 
 
 def _same(have: Any, value: str) -> bool:
-    wanted = yaml.safe_load(value)
-    if have == wanted or str(have) == value:
+    """Whether a config value (_MISSING: never) is VALUE as YAML reads it."""
+    if have == yaml.safe_load(value) or str(have) == value:
         return True
-    try:  # numbers as numbers: 1e-3 is 0.001
+    with suppress(TypeError, ValueError):  # numbers as numbers: 1e-3 is 0.001
         return float(have) == float(value)
-    except (TypeError, ValueError):
-        return False
+    return False
 
 
 def matches(run: dict[str, Any], wanted: list[str]) -> bool:
-    """Whether the run's config has each KEY=VALUE (values compared as YAML reads them)."""
-    for item in wanted:
-        key, _, value = item.partition("=")
-        have = value_of(run, key)
-        if have is _MISSING or not _same(have, value):
-            return False
-    return True
+    """Whether the run's config has each KEY=VALUE."""
+    return all(_same(value_of(run, key), value)
+               for key, _, value in (item.partition("=") for item in wanted))
 
 
 def _why_none(runs: list[dict[str, Any]], wanted: list[str], status: str | None) -> list[str]:
@@ -111,14 +107,6 @@ def _order(run: dict[str, Any]) -> tuple:
     began = sweep.stat().st_mtime if sweep.is_file() else run["started"]
     return (-began, str(folder.parent), int(folder.name) if folder.name.isdigit() else 0,
             folder.name)
-
-
-def _size(count: int) -> str:
-    for unit in ("B", "KB", "MB"):
-        if count < 1000:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1000
-    return f"{count:.1f} GB"
 
 
 def _number(value: Any, digits: int = 4) -> str:
@@ -225,7 +213,7 @@ def cmd_show(run: Path) -> int:
     print("files:")
     for path in sorted(p for p in run.rglob("*") if p.is_file() and not any(
             part.startswith(".") for part in p.relative_to(run).parts)):
-        print(f"  {path.relative_to(run)}  {_size(path.stat().st_size)}")
+        print(f"  {path.relative_to(run)}  {tqdm.format_sizeof(path.stat().st_size, 'B')}")
     return 0
 
 
@@ -237,30 +225,20 @@ def cmd_diff(a: Path, b: Path) -> int:
     changed = differences(ra["config"], rb["config"])
     rows = [["key", "A", "B"]] + [[k, str(va), str(vb)] for k, va, vb in changed]
     print(table(rows) if changed else "the configs are the same")
-    print()
-    rows = [["", "A", "B"]]
-    for field, digits in (("status", 0), ("best", 4), ("steps", 0), ("wall_s", 1)):
-        rows.append([field, _number(ra[field], digits), _number(rb[field], digits)])
-    print(table(rows))
-    print()
-    print(table(_side_by_side(a, b)))
+    digits = {"status": 0, "best": 4, "steps": 0, "wall_s": 1}
+    print("\n" + table([["", "A", "B"]] + [[k, _number(ra[k], d), _number(rb[k], d)]
+                                           for k, d in digits.items()]))
+    print("\n" + table(_side_by_side(a, b)))
     return 0
 
 
 def _side_by_side(a: Path, b: Path) -> list[list[str]]:
     """Each validation of either run, by step: loss and accuracy of A and of B."""
-    def by_step(run: Path) -> dict[int, dict[str, str]]:
-        return {int(r["step"]): r for r in read_metrics(run) if r["split"] == "val"}
-
-    va, vb = by_step(a), by_step(b)
-    rows = [["step", "A val loss", "A val acc", "B val loss", "B val acc"]]
-    for step in sorted(set(va) | set(vb)):
-        cells = [str(step)]
-        for rows_of in (va, vb):
-            row = rows_of.get(step, {})
-            cells += [_number(row.get("loss")), _number(row.get("acc"))]
-        rows.append(cells)
-    return rows
+    va, vb = ({int(r["step"]): r for r in read_metrics(run) if r["split"] == "val"}
+              for run in (a, b))
+    return [["step", "A val loss", "A val acc", "B val loss", "B val acc"]] + [
+        [str(step)] + [_number(rows.get(step, {}).get(k)) for rows in (va, vb)
+                       for k in ("loss", "acc")] for step in sorted(set(va) | set(vb))]
 
 
 def main(argv: list[str] | None = None) -> int:
