@@ -126,11 +126,8 @@ class MLflowLogger:
         # (MLflow sends them 100 at a time itself; 500 characters: its oldest value limit)
         self.mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
 
-    def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
-        self.mlflow.log_metrics({f"{split}/{k}": v for k, v in metrics.items()}, step=step)
-
-    def log_text(self, tag: str, text: str) -> None:
-        self.mlflow.log_text(text, f"{tag}.yaml")
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.mlflow.log_metrics(metrics, step=step)
 
     def close(self, error: BaseException | None = None) -> None:
         status = "FINISHED" if error is None else "KILLED" if isinstance(error, (
@@ -170,8 +167,8 @@ class WandbLogger:
         if self.new:
             self.run.config.update(params)
 
-    def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
-        self.run.log({f"{split}/{k}": v for k, v in metrics.items()}, step=step)
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
 
     def close(self, error: BaseException | None = None) -> None:
         self.run.finish(exit_code=0 if error is None else 1)
@@ -181,9 +178,9 @@ class MetricLogger:
     """The metric sinks of rank 0; several can be active at once (csv is always)."""
 
     def __init__(self, run_dir: Path, config: LoggerConfig, resume_step: int | None,
-                 trackers: dict[str, str] | None = None) -> None:
-        """`trackers`: the run ids of the trackers, restored from the checkpoint on resume;
-        filled here, and saved with each checkpoint."""
+                 run_ids: dict[str, str] | None = None) -> None:
+        """`run_ids`: the trackers' run ids, restored from the checkpoint on resume; filled
+        here, and saved with each checkpoint."""
         self.csv = CSVLogger(run_dir / "metrics.csv", resume_step)
         self.tb = None
         if config.tensorboard:
@@ -191,24 +188,24 @@ class MetricLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resume_step)
-        trackers = {} if trackers is None else trackers
-        self.mlflow = MLflowLogger(run_dir, config, trackers) if config.mlflow else None
+        run_ids = {} if run_ids is None else run_ids
+        self.mlflow = MLflowLogger(run_dir, config, run_ids) if config.mlflow else None
+        self.trackers: list[MLflowLogger | WandbLogger] = [self.mlflow] if self.mlflow else []
         try:
-            self.wandb = WandbLogger(run_dir, config, trackers) if config.wandb else None
+            if config.wandb:
+                self.trackers.append(WandbLogger(run_dir, config, run_ids))
         except BaseException as e:
-            self.wandb = None
             self.close(e)  # the sinks opened already end with the error
             raise
 
     def log(self, step: int, epoch: int, split: str, metrics: dict[str, float]) -> None:
         self.csv.log(step, epoch, split, metrics)
+        named = {f"{split}/{k}": v for k, v in metrics.items()}
         if self.tb is not None:
-            for name, value in metrics.items():
-                self.tb.add_scalar(f"{split}/{name}", value, step)
-        if self.mlflow is not None:
-            self.mlflow.log(step, split, metrics)
-        if self.wandb is not None:
-            self.wandb.log(step, split, metrics)
+            for name, value in named.items():
+                self.tb.add_scalar(name, value, step)
+        for tracker in self.trackers:
+            tracker.log(step, named)
 
     def log_config(self, config: Any) -> None:
         """The run's config: as text (TensorBoard, MLflow), and flattened as MLflow
@@ -218,21 +215,17 @@ class MetricLogger:
         from app.flat import leaves
 
         node = OmegaConf.structured(config)
-        self.log_text("config", OmegaConf.to_yaml(node))
-        for tracker in (self.mlflow, self.wandb):
-            if tracker is not None:
-                tracker.log_params(leaves(node))
-
-    def log_text(self, tag: str, text: str) -> None:
+        text = OmegaConf.to_yaml(node)
         if self.tb is not None:
-            self.tb.add_text(tag, f"```\n{text}\n```")
+            self.tb.add_text("config", f"```\n{text}\n```")
         if self.mlflow is not None:
-            self.mlflow.log_text(tag, text)
+            self.mlflow.mlflow.log_text(text, "config.yaml")
+        for tracker in self.trackers:
+            tracker.log_params(leaves(node))
 
     def close(self, error: BaseException | None = None) -> None:
         """`error`: what stopped the run early (None: it ended)."""
         if self.tb is not None:
             self.tb.close()
-        for tracker in (self.mlflow, self.wandb):
-            if tracker is not None:
-                tracker.close(error)
+        for tracker in self.trackers:
+            tracker.close(error)
