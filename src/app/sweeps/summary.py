@@ -54,12 +54,10 @@ def wall_time(run_dir: Path, last_wall_s: float | None) -> tuple[float | None, i
         spans[-1][1] = max(spans[-1][1], at)
     if len(spans) <= 1:
         return last_wall_s, max(len(spans), last_wall_s is not None)
-    earlier = sum(end - start for start, end in spans[:-1])
-    result = run_dir / RESULT
-    if last_wall_s is not None and result.stat().st_mtime >= spans[-1][0]:
-        return earlier + last_wall_s, len(spans)
-    # The last attempt has not written result.json yet (still running, or killed).
-    return earlier + spans[-1][1] - spans[-1][0], len(spans)
+    earlier, (start, end) = sum(e - s for s, e in spans[:-1]), spans[-1]
+    if last_wall_s is None or (run_dir / RESULT).stat().st_mtime < start:
+        last_wall_s = end - start  # the last attempt wrote no result.json (running, killed)
+    return earlier + last_wall_s, len(spans)
 
 
 def steps_reached(run_dir: Path, logged: int, error: str | None) -> int | None:
@@ -121,20 +119,16 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     run_dirs = sorted((p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")),
                       key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit()
                                      else 0, p.name))
-    jobs = []
-    for run_dir in run_dirs:
-        overrides = overrides_of(run_dir)
-        jobs.append({"job": run_dir.name, "overrides": " ".join(overrides),
-                     "run_dir": str(run_dir), "overrides_list": overrides,
-                     **job_summary(run_dir)})
+    jobs = [{"job": run_dir.name, "overrides": " ".join(overrides), "run_dir": str(run_dir),
+             "overrides_list": overrides, **job_summary(run_dir)}
+            for run_dir in run_dirs for overrides in [overrides_of(run_dir)]]
     # The keys that differ between jobs name them; the rest is noise in a table.
     common = set.intersection(*(set(j["overrides_list"]) for j in jobs)) if jobs else set()
     for job in jobs:
         job["params"] = dict(o.lstrip("+").split("=", 1) for o in job["overrides_list"]
                              if o not in common and "=" in o)
-    descending = bool(jobs) and jobs[0]["mode"] == "max"
-    jobs.sort(key=lambda j: (j["best"] is None,
-                             -(j["best"] or 0) if descending else (j["best"] or 0)))
+    sign = -1 if jobs and jobs[0]["mode"] == "max" else 1
+    jobs.sort(key=lambda j: (j["best"] is None, sign * (j["best"] or 0)))
     return jobs
 
 
@@ -145,11 +139,9 @@ def _cell(value: Any) -> str:
 
 
 def markdown(jobs: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
-    for job in jobs:
-        cells = [_cell(job[c]).replace("|", "\\|") for c in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rows = [COLUMNS, ["---"] * len(COLUMNS)]
+    rows += [[_cell(job[c]).replace("|", "\\|") for c in COLUMNS] for job in jobs]
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
 def write_summary(sweep_dir: Path, draw: bool = True) -> list[dict[str, Any]]:
