@@ -60,11 +60,6 @@ def _draws(font: ImageFont.FreeTypeFont | ImageFont.ImageFont, text: str) -> boo
     return all(ch.isspace() or bytes(font.getmask(ch)) != missing for ch in set(text))
 
 
-def font_for(text: str, size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont | None:
-    """The first font that draws all of `text`; None when no font here does."""
-    return next((f for f in _fonts(size) if _draws(f, text)), None)
-
-
 def _fitted(text: str, font: ImageFont.ImageFont, width: float) -> str:
     """`text`, shortened with an ellipsis to fit `width` pixels (a long class name would run
     into the next cell); the PNG's Description keeps it whole."""
@@ -81,8 +76,8 @@ def save_grid(
 ) -> None:
     """Up to COLUMNS images a row, each under "pred P" (or "pred P / true T": green when
     right, red when wrong; P and T the `classes`' names where the data has them), the title
-    above. The title and each cell's label also go into
-    the PNG's text fields (Title, Description), for tools to read."""
+    above. The title and each cell's label also go into the PNG's text fields (Title,
+    Description), for tools to read."""
     n = len(images)
     cols = max(1, min(COLUMNS, n))
     rows = max(1, math.ceil(n / cols))
@@ -96,7 +91,7 @@ def save_grid(
         name = (lambda c: classes[c]) if classes else str  # a class's name, else its index
         cell = f"pred {name(preds[i])}" + ("" if labels is None else f" / true {name(labels[i])}")
         cells.append(cell)  # (whole, in the PNG's text: drawn, it may be an index or shortened)
-        font = font_for(cell, 12)
+        font = next((f for f in _fonts(12) if _draws(f, cell)), None)  # the first that can
         if font is None:  # no font here draws these names: their indices, not boxes
             font = _fonts(12)[0]
             cell = f"pred #{preds[i]}" + ("" if labels is None else f" / true #{labels[i]}")
