@@ -9,7 +9,6 @@ writes no result.
 
 from __future__ import annotations
 
-import math
 import re
 import signal
 import time
@@ -85,14 +84,10 @@ def describe(job: Any, state: str, results: list[tuple[str, Any] | None]
     if reported:
         task, how = reported[0]
     elif errors:
-        task = min(errors, key=lambda t: _mtime(job.task(t).paths.result_pickle))
+        task = min(errors, key=lambda t: job.task(t).paths.result_pickle.stat().st_mtime)
         how = ""
     else:
         task, how = (missing or [0])[0], "the task ended without a result"
     if task in errors:
         return task, last_line(errors[task]), str(job.task(task).paths.stderr)
     return task, how, str(batch_log)
-
-
-def _mtime(path: Path) -> float:
-    return path.stat().st_mtime if path.exists() else math.inf
