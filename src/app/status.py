@@ -111,9 +111,8 @@ def from_slurm(job: slurm.Job, run_dir: Path, failure: str | None) -> tuple[str,
     if state == "PENDING":
         why = "held" if reason == "JobHeldUser" else f"PENDING: {reason}" if reason and \
             reason != "None" else "PENDING"
-        if job.restarts:
-            return "queued", f"waiting to run again{_again_from(run_dir)} ({why}){again}"
-        return "queued", f"queued ({why})"
+        return "queued", (f"waiting to run again{_again_from(run_dir)} ({why}){again}"
+                          if job.restarts else f"queued ({why})")
     if state in ("RUNNING", "COMPLETING", "CONFIGURING"):
         return "running", f"running on {job.nodes or '?'}{_where(run_dir)}{again}"
     if state in ("SUSPENDED", "PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
@@ -169,10 +168,8 @@ def sweep_lines(sweep_dir: Path) -> list[tuple[str, str]]:
         record = {}
     recorded = jobs_by_num(record)
     if not recorded:  # a sweep that was waited for, or run locally: its run directories
-        jobs = sorted(collect(sweep_dir), key=lambda j: (  # (by number, not best first)
-            not j["job"].isdigit(), int(j["job"]) if j["job"].isdigit() else 0, j["job"]))
         return [(s, f"job #{job['job']}: {said} [{job['overrides']}]")
-                for job in jobs for s, said in [from_run_dir(Path(job["run_dir"]))]]
+                for job in collect(sweep_dir) for s, said in [from_run_dir(Path(job["run_dir"]))]]
     known = slurm.states([job["job_id"] for job in recorded.values()]) or {}
     lines = []
     for num, job in sorted(recorded.items()):

@@ -115,7 +115,7 @@ def overrides_of(run_dir: Path) -> list[str]:
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
-    """One entry per job directory of the sweep, best first; jobs without a value last."""
+    """One entry per job directory of the sweep, by number."""
     run_dirs = sorted((p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")),
                       key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit()
                                      else 0, p.name))
@@ -127,8 +127,6 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     for job in jobs:
         job["params"] = dict(o.lstrip("+").split("=", 1) for o in job["overrides_list"]
                              if o not in common and "=" in o)
-    sign = -1 if jobs and jobs[0]["mode"] == "max" else 1
-    jobs.sort(key=lambda j: (j["best"] is None, sign * (j["best"] or 0)))
     return jobs
 
 
@@ -145,7 +143,10 @@ def markdown(jobs: list[dict[str, Any]]) -> str:
 
 
 def write_summary(sweep_dir: Path, draw: bool = True) -> list[dict[str, Any]]:
+    """The sweep's jobs, best first (jobs without a value last), in its summary files."""
     jobs = collect(sweep_dir)
+    sign = -1 if jobs and jobs[0]["mode"] == "max" else 1
+    jobs.sort(key=lambda j: (j["best"] is None, sign * (j["best"] or 0)))
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
