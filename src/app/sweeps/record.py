@@ -89,9 +89,7 @@ def write(sweep_dir: Path, launcher: str, jobs: list[dict[str, Any]], wait: bool
           submitit_folder: str) -> None:
     """Record the jobs of this submission; jobs of an earlier one that this one did not
     submit again (other numbers) stay in the record."""
-    record = read(sweep_dir)
-    kept = jobs_by_num(record)
-    kept.update({job["num"]: job for job in jobs})
+    kept = jobs_by_num(read(sweep_dir)) | {job["num"]: job for job in jobs}
     write_text_atomically(sweep_dir / RECORD, json.dumps({
         "launcher": launcher, "wait": wait, "submitted": time.strftime("%Y-%m-%d %H:%M:%S"),
         "submitit_folder": submitit_folder, "jobs": [kept[num] for num in sorted(kept)]},
