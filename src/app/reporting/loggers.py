@@ -119,10 +119,6 @@ class MLflowLogger:
         return self.mlflow.start_run(run_name=name, tags=tags)
 
     def log_params(self, params: dict[str, Any]) -> None:
-        """The config as parameters, once, when the MLflow run is new (a parameter cannot
-        change within a run)."""
-        if not self.new:
-            return
         # (MLflow sends them 100 at a time itself; 500 characters: its oldest value limit)
         self.mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
 
@@ -164,8 +160,7 @@ class WandbLogger:
         id_file.write_text(self.run.id + "\n")
 
     def log_params(self, params: dict[str, Any]) -> None:
-        if self.new:
-            self.run.config.update(params)
+        self.run.config.update(params)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -208,7 +203,7 @@ class MetricLogger:
             tracker.log(step, named)
 
     def log_config(self, config: Any) -> None:
-        """The run's config: as text (TensorBoard, MLflow), and flattened as MLflow
+        """The run's config: as text (TensorBoard, MLflow), and flattened as the trackers'
         parameters, so that runs can be filtered by learning rate or model."""
         from omegaconf import OmegaConf
 
@@ -220,8 +215,9 @@ class MetricLogger:
             self.tb.add_text("config", f"```\n{text}\n```")
         if self.mlflow is not None:
             self.mlflow.mlflow.log_text(text, "config.yaml")
-        for tracker in self.trackers:
-            tracker.log_params(leaves(node))
+        for tracker in self.trackers:  # once, in a new tracker run: a parameter cannot change
+            if tracker.new:
+                tracker.log_params(leaves(node))
 
     def close(self, error: BaseException | None = None) -> None:
         """`error`: what stopped the run early (None: it ended)."""
