@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
 from app.errors import WorkerFailed
@@ -64,7 +65,7 @@ class Trial:
     does something to the job and returns values for the words ({server}); `said` are in the
     console ({step}: the step of checkpoints/last.pt, which `saved` requires), `not_said` are
     not; `files` maps a file of the run to words in it; `status` is result.json's. Every trial
-    also ends with no worker left running."""
+    also ends with no process of the job left running (a loader worker included)."""
 
     pins: str  # the behaviour the row pins
     overrides: tuple[str, ...]
@@ -84,6 +85,11 @@ def _sigterm_to_rank_1(proc: subprocess.Popen, run_dir: Path) -> dict:
 
 def _ctrl_c(proc: subprocess.Popen, run_dir: Path) -> dict:
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group
+    return {}
+
+
+def _sigkill_to_rank_1(proc: subprocess.Popen, run_dir: Path) -> dict:
+    os.kill(_pid_of_rank(run_dir, 1), signal.SIGKILL)
     return {}
 
 
@@ -124,6 +130,11 @@ TRIALS = {
     "Ctrl-C": Trial(
         "Ctrl-C (SIGINT to every process of the group) stops every process with a checkpoint",
         TRAINING, 128 + signal.SIGINT, act=_ctrl_c, saved=True, said=("stopped by SIGINT",)),
+    "SIGKILL to a rank with loader workers": Trial(
+        "a rank killed outright (the OOM killer) leaves none of its loader workers running: "
+        "they are its children, not those of a forkserver of its own, which outlived it",
+        (*TRAINING, "data.num_workers=1"), 1, act=_sigkill_to_rank_1,
+        said=("rank 1 (pid", "was killed by SIGKILL; the other workers were stopped")),
     "a killed worker server": Trial(
         "the forkserver killed under the workers ends them, said in one line (no exit codes)",
         TRAINING, 1, act=_kill_the_worker_server,
@@ -143,9 +154,10 @@ def test_a_fault_or_a_signal_ends_the_job_as_the_table_says(name, tmp_path) -> N
             cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(HELPERS)})
     try:
-        values = {}
+        values, started = {}, []
         if trial.act is not None:
             wait_for_rows(run_dir, 10)
+            started = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
             values = trial.act(proc, run_dir)
         proc.wait(timeout=240)
     finally:
@@ -157,6 +169,11 @@ def test_a_fault_or_a_signal_ends_the_job_as_the_table_says(name, tmp_path) -> N
     assert proc.returncode == trial.exit_code, said
     workers = worker_pids(run_dir)
     assert len(workers) == 2 and not [p for p in workers if alive(p)], said
+    # (A loader worker checks for its parent every 5 s.)
+    left = still_alive(started, timeout=15)
+    for pid in left:  # (not for the next test to find)
+        os.kill(pid, signal.SIGKILL)
+    assert not left, (left, said)
     if trial.saved:
         values["step"] = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]
         assert values["step"] > 0
