@@ -30,9 +30,6 @@ ACCELERATORS = tuple(a.value for a in Accelerator)  # (the submitit launcher che
 # The process-group backend each device type is best served by.
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "hpu": "hccl", "xpu": "xccl", "mps": "gloo",
             "cpu": "gloo"}
-# The variable that hides devices from a process, per device type.
-VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK",
-               "npu": "ASCEND_RT_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES"}
 # The folder key of the app's own data sets from files (a user's data module may download it).
 DATA_FOLDERS = {"app.data.ImageFolder": "root", "app.data.HFImages": "path"}
 # CPU ranks beyond the cores only share them (a debugging run of devices=2 on one core is
@@ -104,7 +101,7 @@ def plan(cfg: AppConfig, env: ProcessEnv) -> Plan:
         if devices * cfg.nodes > 1:
             log.info("trainer=%s runs in one process", cfg.trainer.mode.value)
         if cfg.device_id is not None:
-            check_device_id(kind, cfg.device_id, cfg.accelerator)
+            check_device_id(kind, cfg.device_id)
         return Plan(How.in_process, kind, device_id=cfg.device_id, **keep)
     if cfg.device_id is not None:
         raise UserError(f"device_id={cfg.device_id} picks the one device of a devices=1 run; "
@@ -180,25 +177,14 @@ def resolve_devices(devices: int | str, kind: str) -> int:
     return devices
 
 
-def check_device_id(kind: str, device_id: int, requested: str = "auto") -> None:
+def check_device_id(kind: str, device_id: int) -> None:
     """Device `device_id` for a one-process run (the older launchers' --gpu), counted among the
-    visible devices as PyTorch numbers them. `requested`: the accelerator asked for (`kind` is
-    the CPU where it fell back)."""
+    visible devices as PyTorch numbers them."""
+    if kind in ("cpu", "mps"):
+        raise UserError(f"device_id={device_id}: the run is on the {kind}, which is one device "
+                        f"(no GPU or other accelerator is in use); drop device_id")
     count = device_count(kind)
-    if 0 <= device_id < count:
-        return
-    shown = {k: f"{v}={os.environ[v]}" for k, v in VISIBLE_ENV.items() if os.environ.get(v)}
-    if kind not in ("cpu", "mps"):  # (an available device type has a device)
-        why = (f"{count} {kind} device(s) are visible (0 to {count - 1}"
-               f"{'; ' + shown[kind] if kind in shown else ''}); indices count among the "
-               f"visible devices")
-    elif requested not in ("auto", kind):  # accelerator=cuda fell back to the CPU
-        where = f" ({shown[requested]})" if requested in shown else ""
-        why = (f"no {requested} device is visible here{where}, so the run would be on the "
-               f"{kind}, which is one device; drop device_id (and use accelerator={kind})")
-    elif requested == "auto":
-        why = f"{kind} has one device, and no GPU or other accelerator is visible; drop device_id"
-    else:
-        why = (f"{kind} has one device: device_id picks among GPUs and other accelerators "
-               f"(accelerator=cuda device_id=N); drop it for accelerator={kind}")
-    raise UserError(f"device_id={device_id}: {why}")
+    if not 0 <= device_id < count:
+        raise UserError(f"device_id={device_id}: {count} {kind} device(s) are visible; indices "
+                        f"count among the visible devices (CUDA_VISIBLE_DEVICES or its "
+                        f"equivalent), from 0")
