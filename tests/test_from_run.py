@@ -6,33 +6,21 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from app.errors import UserError
-from conftest import REPO, built_once, run_job
-
-# Settings that differ from the defaults: an evaluation that retyped nothing must still
-# build this model, on this data.
-TRAINED = ["model.channels=[8,16]", "model.dropout=0.0", "data.batch_size=32",
-           "trainer.max_epochs=3", "trainer.progress_bar=false"]
+from conftest import LR_SWEEP, Sweep, run_job
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory) -> Path:
-    """A real sweep of two jobs, as the CLI writes it (each job's .hydra/config.yaml); one,
-    shared by the pytest workers that run these tests (`built_once`)."""
-    def run_sweep(folder: Path) -> None:
-        done = subprocess.run([sys.executable, "-m", "app", "-m",
-                               f"hydra.sweep.dir={folder / 'sweep'}", *TRAINED,
-                               "optimizer.lr=0.01,0.003"], cwd=REPO,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-    return built_once(tmp_path_factory, "from-run-sweep", run_sweep) / "sweep"
+def sweep(lr_sweep: Sweep) -> Path:
+    """A real sweep of two jobs of settings other than the defaults (an evaluation that retyped
+    nothing must still build this model, on this data), as the CLI writes it (each job's
+    .hydra/config.yaml); one, shared by the pytest workers and the files that read it."""
+    assert lr_sweep.returncode == 0, lr_sweep.output[-3000:]
+    return lr_sweep.dir
 
 
 def _best(sweep: Path) -> dict[str, float]:
@@ -131,6 +119,6 @@ def test_resuming_a_finished_run_longer_warns_that_its_schedule_ended(sweep, tmp
 
     run = tmp_path / "again"
     shutil.copytree(sweep / "0", run)
-    job = run_job(run, *TRAINED[:-2], "trainer.max_epochs=4", "optimizer.lr=0.01")
+    job = run_job(run, *LR_SWEEP[:3], "trainer.max_epochs=4", "optimizer.lr=0.01")
     assert "resumed with trainer.max_epochs=4 (saved: 3): the learning-rate schedule goes on " \
            "as it was saved" in job.output, job.output[-2000:]

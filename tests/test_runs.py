@@ -3,33 +3,20 @@ fails; in-process (`main(argv)`), the printed lines are the subject."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from app import runs
-from conftest import HELPERS, REPO, built_once
-
-# fault_rank=0 and fault_call=5 together: only job #0 raises (a devices=1 run is rank 0).
-SWEEP = ["model._target_=faults.FaultyCNN", "+model.fault=raise", "+model.fault_rank=0,1",
-         "+model.fault_call=5,100000", "model.channels=[8,16]", "trainer.max_epochs=2",
-         "trainer.progress_bar=false"]
+from conftest import Sweep
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory) -> Path:
-    """The sweep's outputs folder; one, shared by the pytest workers that run these tests."""
-    def run_sweep(root: Path) -> None:
-        done = subprocess.run([sys.executable, "-m", "app", "-m",
-                               f"hydra.sweep.dir={root / 'multirun' / 'sweep'}", *SWEEP],
-                              cwd=REPO, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "PYTHONPATH": str(HELPERS)})
-        assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]  # (one failed)
-
-    return built_once(tmp_path_factory, "runs-outputs", run_sweep)
+def outputs(faulty_sweep: Sweep) -> Path:
+    """The outputs folder of the session's faulty sweep (`multirun/sweep`): one, shared by the
+    pytest workers and the files that read it."""
+    assert faulty_sweep.returncode == 1, faulty_sweep.output[-3000:]  # (one job failed)
+    return faulty_sweep.folder.parent
 
 
 def _run(capsys, *argv: str) -> tuple[int, list[str]]:

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from app.config import LoggerConfig
 from app.errors import UserError
 from app.reporting.loggers import MLflowLogger
-from conftest import REPO, TINY, multirun, read_metrics, run_job
+from conftest import LR_SWEEP, REPO, TINY, Sweep, multirun, read_metrics, run_job
 
 
 def _summary(sweep) -> list[dict[str, str]]:
@@ -80,19 +80,16 @@ def test_sweeper_params_given_on_the_command_line_are_swept(tmp_path) -> None:
     assert "was used by a sweep of other values" in proc.stdout + proc.stderr
 
 
-def test_failed_job_is_listed_and_the_sweep_goes_on(tmp_path) -> None:
-    proc, jobs = multirun(tmp_path, "model._target_=faults.FaultyCNN", "+model.fault=raise,none",
-                          "+model.fault_rank=0", *TINY, "trainer.max_epochs=1")
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 1
-    assert "job #0 failed: RuntimeError: injected fault" in output  # the first job failed ...
-    assert [j["status"] for j in jobs] == ["COMPLETED", "COMPLETED"]  # ... the second ran
-    assert "| job | overrides | status |" in output
-    rows = {r["overrides"].split("+model.fault=")[1].split()[0]: r
-            for r in _summary(tmp_path / "sweep")}
-    assert rows["none"]["status"] == "completed" and rows["none"]["best"]
-    assert rows["raise"]["status"] == "failed"
-    assert rows["raise"]["error"] == "RuntimeError: injected fault"
+def test_failed_job_is_listed_and_the_sweep_goes_on(faulty_sweep: Sweep) -> None:
+    assert faulty_sweep.returncode == 1
+    assert "job #0 failed: RuntimeError: injected fault" in faulty_sweep.output  # #0 failed ...
+    assert [j["status"] for j in faulty_sweep.jobs] == ["COMPLETED"] * 4  # ... the others ran
+    assert "| job | overrides | status |" in faulty_sweep.output
+    rows = {r["job"]: r for r in _summary(faulty_sweep.dir)}
+    for job in ("1", "2", "3"):
+        assert rows[job]["status"] == "completed" and rows[job]["best"]
+    assert rows["0"]["status"] == "failed"
+    assert rows["0"]["error"] == "RuntimeError: injected fault"
 
 
 def test_report_redraws_a_run(tmp_path, trained) -> None:
@@ -294,26 +291,28 @@ def test_summary_picture_names_what_became_of_jobs_without_a_value(tmp_path) -> 
     assert tuple(summary_figure(tmp_path, jobs * 30, "val/acc").bbox.size) == (800, 1210)
 
 
-def test_a_sweep_of_other_values_into_a_used_sweep_directory_runs_nothing(tmp_path) -> None:
+def test_a_sweep_of_other_values_into_a_used_sweep_directory_runs_nothing(
+        lr_sweep: Sweep, tmp_path) -> None:
     """Job #1 would have resumed the run directory of another learning rate as its own (and
     reported its result). A job's identity is its whole override set: a value every job shares
-    (a longer schedule) is another job too; the same command resumes."""
-    short = ["model.channels=[8,16]", "trainer.max_epochs=1", "trainer.progress_bar=false"]
-    first, _ = multirun(tmp_path, "optimizer.lr=0.01,0.003", *short)
-    assert first.returncode == 0, first.stderr[-2000:]
-    other, jobs = multirun(tmp_path, "optimizer.lr=0.01,0.02", *short)
+    (a longer schedule) is another job too; the same command resumes. (Into a copy of the
+    session's sweep of optimizer.lr=0.01,0.003.)"""
+    assert lr_sweep.returncode == 0, lr_sweep.output[-2000:]
+    sweep = lr_sweep.copy_to(tmp_path)
+    same_values = LR_SWEEP[:-1]
+    other, jobs = multirun(tmp_path, *same_values, "optimizer.lr=0.01,0.02")
     assert other.returncode == 2 and len(jobs) == 2  # (the first sweep's returns only)
     assert ("was used by a sweep of other values: job #1: its run directory "
-            f"{tmp_path / 'sweep' / '1'} holds a job of optimizer.lr=0.003, this one is "
+            f"{sweep / '1'} holds a job of optimizer.lr=0.003, this one is "
             "optimizer.lr=0.02") in other.stdout + other.stderr
-    assert "optimizer.lr=0.003" in (tmp_path / "sweep" / "1" / ".hydra" / "overrides.yaml"
+    assert "optimizer.lr=0.003" in (sweep / "1" / ".hydra" / "overrides.yaml"
                                     ).read_text()  # untouched
-    longer, jobs = multirun(tmp_path, "optimizer.lr=0.01,0.003",
-                            *[o.replace("=1", "=2") if "max_epochs" in o else o for o in short])
+    longer, jobs = multirun(tmp_path, *[o.replace("=3", "=4") if "max_epochs" in o else o
+                                        for o in LR_SWEEP])
     assert longer.returncode == 2 and len(jobs) == 2, longer.stderr[-2000:]
-    assert (f"job #0: its run directory {tmp_path / 'sweep' / '0'} holds a job of "
-            "trainer.max_epochs=1, this one is trainer.max_epochs=2") in longer.stdout
-    same, jobs = multirun(tmp_path, "optimizer.lr=0.01,0.003", *short)
+    assert (f"job #0: its run directory {sweep / '0'} holds a job of "
+            "trainer.max_epochs=3, this one is trainer.max_epochs=4") in longer.stdout
+    same, jobs = multirun(tmp_path, *LR_SWEEP)
     assert same.returncode == 0 and len(jobs) == 4, same.stderr[-2000:]
 
 
