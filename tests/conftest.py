@@ -387,6 +387,19 @@ def faulty_sweep(tmp_path_factory: pytest.TempPathFactory) -> Sweep:
     return multirun_once(tmp_path_factory, "faulty-sweep", *FAULTY_SWEEP)
 
 
+# An Optuna search of 3 trials, its study left unnamed (Optuna would draw a random name):
+# tests/test_sweeps.py reads its result, tests/test_optuna_resume.py resumes a copy of it.
+OPTUNA_SWEEP = ["hparams_search=digits_optuna", "hydra.sweeper.study_name=null",
+                *[t for t in TINY if not t.startswith("model.")],  # (the width is searched)
+                "trainer.max_epochs=1"]
+
+
+@pytest.fixture(scope="session")
+def optuna_sweep(tmp_path_factory: pytest.TempPathFactory) -> Sweep:
+    return multirun_once(tmp_path_factory, "optuna-sweep", *OPTUNA_SWEEP,
+                         "hydra.sweeper.n_trials=3")
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tiny training run through the CLI, shared by the tests that need a checkpoint (and

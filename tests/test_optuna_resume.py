@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO
+from conftest import OPTUNA_SWEEP, REPO, Sweep, multirun
 
 pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")  # (an extra; make install has it)
 import optuna  # noqa: E402
@@ -73,17 +73,12 @@ def test_an_interrupted_optuna_sweep_resumes_to_its_total(tmp_path) -> None:
     assert (sweep / "optimization_results.yaml").is_file()
 
 
-def test_a_study_without_a_name_runs_and_resumes(tmp_path) -> None:
+def test_a_study_without_a_name_runs_and_resumes(optuna_sweep: Sweep, tmp_path) -> None:
     # (Optuna drew a random name; the end of the sweep could not find the study: a traceback.)
-    sweep = tmp_path / "sweep"
-    base = [sys.executable, "-m", "app", "-m", "hparams_search=digits_optuna",
-            f"hydra.sweep.dir={sweep}", "hydra.sweeper.study_name=null", "trainer.max_steps=2",
-            "model.channels=[8,16]", "trainer.progress_bar=false"]
-    first = subprocess.run([*base, "hydra.sweeper.n_trials=2"], cwd=REPO, capture_output=True,
-                           text=True, timeout=300)
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    again = subprocess.run([*base, "hydra.sweeper.n_trials=3"], cwd=REPO, capture_output=True,
-                           text=True, timeout=300)
+    # The session's unnamed search of 3 trials (its end: tests/test_sweeps.py), run again.
+    assert optuna_sweep.returncode == 0, optuna_sweep.output[-2000:]
+    optuna_sweep.copy_to(tmp_path)
+    again, _ = multirun(tmp_path, *OPTUNA_SWEEP, "hydra.sweeper.n_trials=4")
     said = again.stdout + again.stderr
     assert again.returncode == 0, said[-3000:]
-    assert "2 of 3 trials completed; 1 to go" in said
+    assert "3 of 4 trials completed; 1 to go" in said

@@ -121,16 +121,13 @@ def test_report_of_a_folder_of_single_runs_writes_nothing(tmp_path, capsys) -> N
     assert (day / "summary.csv").is_file()
 
 
-def test_optuna_search_runs_trials_and_reports_the_best(tmp_path) -> None:
-    not_width = [t for t in TINY if not t.startswith("model.")]  # the width is searched
-    proc, jobs = multirun(tmp_path, "hparams_search=digits_optuna", "hydra.sweeper.n_trials=3",
-                          *not_width, "trainer.max_epochs=1")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = OmegaConf.load(tmp_path / "sweep" / "optimization_results.yaml")
-    values = [j["value"] for j in jobs]
+def test_optuna_search_runs_trials_and_reports_the_best(optuna_sweep: Sweep) -> None:
+    assert optuna_sweep.returncode == 0, optuna_sweep.output[-3000:]
+    result = OmegaConf.load(optuna_sweep.dir / "optimization_results.yaml")
+    values = [j["value"] for j in optuna_sweep.jobs]
     assert len(values) == 3 and result.best_value == max(values)
     assert set(result.best_params) == {"optimizer.lr", "model.channels"}
-    assert "Best value" in proc.stdout + proc.stderr
+    assert "Best value" in optuna_sweep.output
 
 
 def test_rerun_sweep_skips_finished_jobs_and_resumes_the_rest(tmp_path) -> None:
