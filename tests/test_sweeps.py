@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from app.config import LoggerConfig
 from app.errors import UserError
 from app.reporting.loggers import MLflowLogger
-from conftest import LR_SWEEP, REPO, TINY, Sweep, multirun, read_metrics, run_job
+from conftest import LR_SWEEP, REPO, TINY, Sweep, multirun, multirun_once, read_metrics, run_job
 
 
 def _summary(sweep) -> list[dict[str, str]]:
@@ -25,30 +25,43 @@ def _summary(sweep) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def test_grid_sweep_summary_agrees_with_each_job(tmp_path) -> None:
-    proc, _ = multirun(tmp_path, "optimizer.lr=0.01,0.003", "model.dropout=0,0.3", *TINY,
-                       "trainer.max_epochs=1")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    sweep = tmp_path / "sweep"
-    rows = _summary(sweep)
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory) -> Sweep:
+    """A 3x2 grid of which the two jobs of lr=1e6 fail: their loss is NaN within a few steps,
+    before the first logged row (every 10). One sweep for the summary's tests of completed
+    and of failed jobs, built once for the pytest workers that run them."""
+    return multirun_once(tmp_path_factory, "grid-sweep", "optimizer.lr=0.01,0.003,1e6",
+                         "model.dropout=0,0.3", *TINY, "trainer.max_epochs=1",
+                         "trainer.log_every_n_steps=10")
+
+
+def test_grid_sweep_summary_agrees_with_each_job(grid: Sweep, tmp_path) -> None:
+    assert grid.returncode == 1, grid.output[-3000:]  # (the failed jobs: test below)
+    rows = [r for r in _summary(grid.dir) if r["status"] == "completed"]
     assert len(rows) == 4
     bests = [float(r["best"]) for r in rows]
     assert bests == sorted(bests, reverse=True)  # val/acc: best first
     for row in rows:
-        val = [float(r["acc"]) for r in read_metrics(sweep / row["job"]) if r["split"] == "val"]
+        val = [float(r["acc"]) for r in read_metrics(grid.dir / row["job"])
+               if r["split"] == "val"]
         assert float(row["best"]) == max(val) and float(row["final"]) == val[-1]
-        assert row["status"] == "completed" and int(row["steps"]) == 22
+        assert int(row["steps"]) == 22
         assert "optimizer.lr=" in row["overrides"] and "model.dropout=" in row["overrides"]
-        assert (sweep / row["job"] / "plots" / "curves.png").stat().st_size > 10_000
-    assert "| job | overrides | status |" in (sweep / "summary.md").read_text()
-    assert "| job | overrides | status |" in proc.stdout + proc.stderr  # printed at the end
-    assert (sweep / "summary.png").read_bytes()[:4] == b"\x89PNG"
+        assert (grid.dir / row["job"] / "plots" / "curves.png").stat().st_size > 10_000
+    assert "| job | overrides | status |" in (grid.dir / "summary.md").read_text()
+    assert "| job | overrides | status |" in grid.output  # printed at the end
+    assert (grid.dir / "summary.png").read_bytes()[:4] == b"\x89PNG"
     # `python -m app.report SWEEP` builds the summary again from the job directories.
+    sweep = grid.copy_to(tmp_path)
     (sweep / "summary.csv").unlink()
     report = subprocess.run([sys.executable, "-m", "app.report", str(sweep)], cwd=REPO,
                             capture_output=True, text=True)
     assert report.returncode == 0 and report.stdout.count("| completed |") == 4
-    assert _summary(sweep) == rows
+    shared = _summary(grid.dir)
+    for row in shared:  # (the copy's run directories are its own)
+        assert row["run_dir"] == str(grid.dir / row["job"])
+        row["run_dir"] = str(sweep / row["job"])
+    assert _summary(sweep) == shared
 
 
 def test_jobs_with_the_same_overrides_each_run_in_their_own_directory(tmp_path) -> None:
@@ -243,18 +256,16 @@ def test_summary_shows_bools_as_typed(tmp_path) -> None:
     assert jobs["1"]["params"] == {"trainer.ema": "true"}
 
 
-def test_a_job_that_fails_mid_training_has_its_step_and_curves(tmp_path) -> None:
-    # lr=1e6 makes the loss NaN within a few steps, before the first logged row (every 10).
-    proc, _ = multirun(tmp_path, "optimizer.lr=0.003,1e6", *TINY, "trainer.max_epochs=1",
-                       "trainer.log_every_n_steps=10")
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["overrides"]: r for r in _summary(tmp_path / "sweep")}
-    failed = next(r for o, r in rows.items() if "1e6" in o or "1000000" in o)
-    assert failed["status"] == "failed" and "at step" in failed["error"]
-    assert int(failed["steps"]) > 0 and failed["attempts"] == "1" and float(failed["wall_s"]) > 0
-    assert (tmp_path / "sweep" / failed["job"] / "plots" / "curves.png").is_file()
-    log = (tmp_path / "sweep" / failed["job"] / "train.log").read_text()
-    assert log.count("attempt started") == 1
+def test_a_job_that_fails_mid_training_has_its_step_and_curves(grid: Sweep) -> None:
+    failed = [r for r in _summary(grid.dir) if "1e6" in r["overrides"]
+              or "1000000" in r["overrides"]]
+    assert len(failed) == 2
+    for row in failed:
+        assert row["status"] == "failed" and "at step" in row["error"]
+        assert int(row["steps"]) > 0 and row["attempts"] == "1" and float(row["wall_s"]) > 0
+        assert (grid.dir / row["job"] / "plots" / "curves.png").is_file()
+        log = (grid.dir / row["job"] / "train.log").read_text()
+        assert log.count("attempt started") == 1
 
 
 def test_summary_picture_names_what_became_of_jobs_without_a_value(tmp_path) -> None:
