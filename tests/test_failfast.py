@@ -138,8 +138,7 @@ TRIALS = {
     "a killed worker server": Trial(
         "the forkserver killed under the workers ends them, said in one line (no exit codes)",
         TRAINING, 1, act=_kill_the_worker_server,
-        said=("the worker server (forkserver) (pid {server}) was killed by SIGKILL: the "
-              "workers were stopped",),
+        said=("the worker server (forkserver) ended under the workers: they were stopped",),
         not_said=("Traceback", "exit codes")),
 }
 

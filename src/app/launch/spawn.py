@@ -66,30 +66,13 @@ def prestart(cfg: AppConfig) -> None:
         os.rmdir(mine)
 
 
-def _server_pid() -> int | None:
+def _server() -> psutil.Process | None:
     """The worker server: the child of this process that runs multiprocessing.forkserver."""
     for child in psutil.Process().children():
         with contextlib.suppress(psutil.Error):
             if any("multiprocessing.forkserver" in part for part in child.cmdline()):
-                return child.pid
+                return child
     return None
-
-
-def _forkserver_death(pid: int, settle_s: float = 2.0) -> str | None:
-    """How the worker server (our child) ended, or None while it runs; not reaped, for
-    multiprocessing to restart it. Its sockets close (the workers read as exit code 255) a
-    moment before waitid sees it end: that is awaited up to `settle_s`."""
-    deadline = time.monotonic() + settle_s
-    try:
-        while not (info := os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)):
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.01)
-    except ChildProcessError:
-        return f"(pid {pid}) is gone"
-    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
-        return f"(pid {pid}) was killed by {signal.Signals(info.si_status).name}"
-    return f"(pid {pid}) exited with code {info.si_status}"
 
 
 def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
@@ -101,7 +84,6 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
 
     method, devices, url = cfg.distributed.start_method, plan.devices, plan.url
     prestart(cfg)  # (when __main__ could not know: devices=auto)
-    server = _server_pid() if method == "forkserver" else None
     base_rank = cfg.machine_rank * devices
     log.info("starting %d workers (%s, ranks %d-%d of %d, rendezvous %s)", devices, method,
              base_rank, base_rank + devices - 1, devices * cfg.nodes, url)
@@ -120,11 +102,12 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
             join=False, start_method=method).processes
         launcher_alive.close()
         result_sent.close()
-        killed, server_died = _watch(cfg, procs, received, server)
+        killed, server_died = _watch(cfg, procs, received,
+                                     _server() if method == "forkserver" else None)
         ended = ends.read(run_dir, started, range(base_rank, base_rank + devices))
         # The first worker sends its result after the last collective: the run has completed,
         # even if a signal reached a worker as it was exiting.
-        if server_died is None and not ended and results.poll():
+        if not server_died and not ended and results.poll():
             with contextlib.suppress(EOFError):  # (EOF: none was sent)
                 value, completed = results.recv(), True
     if not completed:
@@ -139,20 +122,20 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
 
 
 def _outcome(cfg: AppConfig, run_dir: Path, procs: list, received: list[int], killed: set[int],
-             ended: dict[int, dict], server_died: str | None, base_rank: int) -> Exception:
+             ended: dict[int, dict], server_died: bool, base_rank: int) -> Exception:
     """What ended workers that did not complete the run, as the error to raise."""
     periodic = sorted((run_dir / "checkpoints").glob("step-*.pt"))
     last = (f"the last checkpoint is {periodic[-1].relative_to(run_dir)}" if periodic else
             "there is no checkpoint yet") + f": {resume_hint(run_dir)}"
-    if server_died is not None:
-        return WorkerFailed(f"the worker server (forkserver) {server_died}: the workers were "
-                            f"stopped; {last}")
     stuck = ", ".join(str(base_rank + i) for i in sorted(killed))
     cause = ends.first_failure(ended)
     stall = cause is not None and cause["status"] == ends.STALLED
     stopped = sorted((e for e in ended.values() if e["status"] == ends.STOPPED),
                      key=lambda e: e["rank"])
     saved = len(stopped) == len(procs) and not killed  # every rank saved and stopped
+    if server_died and not received:  # (a signal to the process group ends the server too)
+        return WorkerFailed(f"the worker server (forkserver) ended under the workers: they were "
+                            f"stopped; {last}")
     if received or saved:  # (not received: a worker was sent the signal, not us)
         sig = signal.Signals(received[0] if received else stopped[0]["exit_code"] - 128)
         said = f"stopped by {sig.name}{'' if received else ' sent to a worker'}"
@@ -207,15 +190,16 @@ def _alive(process: psutil.Process | None) -> bool:
     return False
 
 
-def _watch(cfg: AppConfig, procs: list, received: list[int], server: int | None
-           ) -> tuple[set[int], str | None]:
+def _watch(cfg: AppConfig, procs: list, received: list[int], server: psutil.Process | None
+           ) -> tuple[set[int], bool]:
     """Wait until every worker has ended; stop them all when one fails, when a signal comes or
-    when the worker server dies. Returns the workers killed, and how the server died (if it did:
-    the workers' exit codes are then unknown)."""
+    when the worker server dies. Returns the workers killed, and whether the server died (the
+    workers' exit codes are then unknown)."""
     grace, timeout_s = cfg.distributed.kill_grace_s, cfg.distributed.timeout_s
     workers = [_process(p.pid) for p in procs]
     killed: set[int] = set()
-    failed_at = asked_at = server_died = None
+    failed_at = asked_at = None
+    server_died = False
 
     def send(sig: int) -> list[int]:
         running = [i for i, worker in enumerate(workers) if _alive(worker)]
@@ -227,13 +211,13 @@ def _watch(cfg: AppConfig, procs: list, received: list[int], server: int | None
     while any(_alive(worker) for worker in workers):
         time.sleep(0.1)
         now = time.monotonic()
-        # A worker's end reads as exit code 255 when the server is gone: check which it is.
-        if server is not None and server_died is None and any(p.exitcode == 255 for p in procs):
-            if (server_died := _forkserver_death(server)) is not None:
-                asked_at = now
-                send(signal.SIGTERM)  # the workers checkpoint, then stop
-                continue
-        if failed_at is None and server_died is None and any(
+        # The worker server gone (our child, a zombie until multiprocessing restarts it): the
+        # workers' exit codes are lost with it (multiprocessing reads 255 for each).
+        if server is not None and not server_died and not _alive(server):
+            server_died, asked_at = True, now
+            send(signal.SIGTERM)  # the workers checkpoint, then stop
+            continue
+        if failed_at is None and not server_died and any(
                 p.exitcode not in (None, 0) for p in procs):
             failed_at = now
         if received and asked_at is None:
@@ -249,7 +233,7 @@ def _watch(cfg: AppConfig, procs: list, received: list[int], server: int | None
         if (failed_at is not None and now - failed_at > grace) or (asked_at is not None and (
                 len(received) > 1 or now - asked_at > timeout_s + grace)):
             killed.update(send(signal.SIGKILL))
-    if server_died is None:
+    if not server_died:
         for p in procs:
             p.join()
     return killed, server_died
