@@ -50,3 +50,11 @@ def test_a_dcp_checkpoint_is_read_whole_without_a_model(tmp_path) -> None:
     read = _private.read_dcp_whole(dcp.FileSystemReader(str(tmp_path)))
     assert torch.equal(read["model"]["w"], state["model"]["w"])
     assert read["optimizer"] == {"lr": 0.5}
+
+
+def test_a_sweep_s_jobs_are_numbered_as_the_basic_sweeper_runs_them() -> None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(["a=1,2", "b=x,y", "c=3"])
+    assert _private.basic_sweep_jobs(parsed) == [
+        ["a=1", "b=x", "c=3"], ["a=1", "b=y", "c=3"], ["a=2", "b=x", "c=3"], ["a=2", "b=y", "c=3"]]

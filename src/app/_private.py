@@ -1,9 +1,11 @@
-"""Every reach into another library's private internals, in one place: three.
+"""Every reach into another library's private internals, in one place: four.
 
-PyTorch and submitit offer no public way to do these: reading a sharded checkpoint whole in
-memory without a model (DCP's public route, dcp_to_torch_save, writes a copy to disk first),
-submitit's Slurm state watcher (replaced by one that reads app.slurm's job states: scontrol,
-then sacct), and the sbatch script submitit would write (`dry_run`). Each accessor checks that
+PyTorch, Hydra and submitit offer no public way to do these: reading a sharded checkpoint
+whole in memory without a model (DCP's public route, dcp_to_torch_save, writes a copy to disk
+first), the jobs of a sweep as Hydra's basic sweeper numbers them (to find a sweep directory
+used by other values before any job runs), submitit's Slurm state watcher (replaced by one
+that reads app.slurm's job states: scontrol, then sacct), and the sbatch script submitit would
+write (`dry_run`). Each accessor checks that
 what it reaches for is there; tests/test_private.py exercises each one on the installed
 versions, so an upgrade that moves one fails there, by name, rather than somewhere inside a
 run.
@@ -37,6 +39,17 @@ def read_dcp_whole(reader: Any) -> dict[str, Any]:
         state, storage_reader=reader,
         planner=_attr(default_planner, "_EmptyStateDictLoadPlanner")(), no_dist=True)
     return state
+
+
+# Hydra --------------------------------------------------------------------------------------
+
+def basic_sweep_jobs(overrides: list[Any]) -> list[list[str]]:
+    """Each job's overrides (parsed `Override`s in), in the order Hydra's basic sweeper runs
+    them: its batching of a sweep lives in its internal module only."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    split = _attr(BasicSweeper, "split_arguments")
+    return [job for batch in split(overrides, None) for job in batch]
 
 
 # submitit -----------------------------------------------------------------------------------

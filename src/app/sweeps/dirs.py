@@ -60,16 +60,16 @@ def basic_sweep_jobs(config: DictConfig) -> dict[int, list[str]] | None:
     if not sweeper.endswith(".BasicSweeper") or \
             launcher.startswith("hydra_plugins.app_submitit."):
         return None
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from app._private import basic_sweep_jobs as numbered
 
     # As the basic sweeper builds them: hydra.sweeper.params first, then the command's.
     params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
     parsed = OverridesParser.create().parse_overrides(
         [f"{k}={v}" for k, v in params.items()]
         + OmegaConf.to_container(config.hydra.overrides.task, resolve=False))  # (as typed)
-    jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-    return dict(enumerate(jobs))
+    return dict(enumerate(numbered(parsed)))
 
 
 def _run_dirs(config: DictConfig, jobs: dict[int, list[str]], sweep_dir: Path
