@@ -163,15 +163,15 @@ def test_a_fault_or_a_signal_ends_the_job_as_the_table_says(name, tmp_path) -> N
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    # (Read once what the job started has ended: what it prints on its way out counts.)
+    left = still_alive(started, timeout=15)
+    for pid in left:  # (not for the next test to find)
+        os.kill(pid, signal.SIGKILL)
     output = out.read_text()
     said = f"{name}: {trial.pins}\n{output[-3000:]}"  # (a failure names what the row pins)
     assert proc.returncode == trial.exit_code, said
     workers = worker_pids(run_dir)
     assert len(workers) == 2 and not [p for p in workers if alive(p)], said
-    # (A loader worker checks for its parent every 5 s.)
-    left = still_alive(started, timeout=15)
-    for pid in left:  # (not for the next test to find)
-        os.kill(pid, signal.SIGKILL)
     assert not left, (left, said)
     if trial.saved:
         values["step"] = load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"]

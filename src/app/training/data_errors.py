@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import multiprocessing.connection
+import os
 import signal
+import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
@@ -56,7 +61,16 @@ class Loader(DataLoader):
     checkpoint snapshot. It installs it once per process; put back, the loader finds a dead
     worker itself, at the next batch it waits for (its status check runs every 5 s), and raises
     there, where the loop can report it.
+
+    On Linux its workers end with the process that started them, at once (PR_SET_PDEATHSIG):
+    PyTorch's check their parent every 5 s, and a worker left that long past a rank killed
+    outright wrote tracebacks on the terminal after the command had ended.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if sys.platform.startswith("linux") and self.num_workers:
+            self.worker_init_fn = functools.partial(_end_with, os.getpid(), self.worker_init_fn)
 
     def __iter__(self) -> Any:
         if self.num_workers == 0:
@@ -70,6 +84,14 @@ class Loader(DataLoader):
         if started:  # (persistent workers start once)
             _WORKERS[batches] = started
         return batches
+
+
+def _end_with(parent: int, init: Callable[[int], Any] | None, worker_id: int) -> None:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # (it ended before that was set)
+        os._exit(1)
+    if init is not None:
+        init(worker_id)
 
 
 # The worker processes of each live iterator of a Loader (an iterator need not keep its loader).
