@@ -93,6 +93,11 @@ def _sigkill_to_rank_1(proc: subprocess.Popen, run_dir: Path) -> dict:
     return {}
 
 
+def _sigterm_to_the_group(proc: subprocess.Popen, run_dir: Path) -> dict:
+    os.killpg(proc.pid, signal.SIGTERM)  # a closed session, `kill -- -PGID`: the server too
+    return {}
+
+
 def _kill_the_worker_server(proc: subprocess.Popen, run_dir: Path) -> dict:
     server = _parent(_pid_of_rank(run_dir, 0))
     assert server != proc.pid and _parent(server) == proc.pid  # the forkserver
@@ -135,6 +140,12 @@ TRIALS = {
         "they are its children, not those of a forkserver of its own, which outlived it",
         (*TRAINING, "data.num_workers=1"), 1, act=_sigkill_to_rank_1,
         said=("rank 1 (pid", "was killed by SIGKILL; the other workers were stopped")),
+    "SIGTERM to the process group": Trial(
+        "a SIGTERM to every process of the job (the worker server included, which it ends) is "
+        "a stop with a checkpoint, not the server's death", TRAINING, 128 + signal.SIGTERM,
+        act=_sigterm_to_the_group, saved=True, status="interrupted",
+        said=("stopped by SIGTERM; the workers saved a checkpoint at step {step}",),
+        not_said=("Traceback", "worker server")),
     "a killed worker server": Trial(
         "the forkserver killed under the workers ends them, said in one line (no exit codes)",
         TRAINING, 1, act=_kill_the_worker_server,
