@@ -300,8 +300,8 @@ def test_a_stop_that_a_stopped_rank_blocks_says_that_no_checkpoint_was_saved(tmp
 
 
 def test_a_stop_with_a_stopped_rank_reports_what_was_saved(tmp_path) -> None:
-    # The stall watchdog ends the job; a stop with the rank stopped cannot complete with a
-    # checkpoint, or (the rank resumed by the time the verdict came) may: the launcher says which.
+    # The stall watchdog wakes the stopped rank to write its stacks (SIGCONT): the stop may
+    # then complete with a checkpoint, or not. Either way the launcher says which.
     run_dir = tmp_path / "run"
     code, output, before = _stop_with_rank_1_stopped(run_dir, "distributed.stall_timeout_s=5")
     assert code == 128 + signal.SIGTERM, output[-3000:]

@@ -152,7 +152,7 @@ def test_each_verdict_writes_a_section_of_its_own(tmp_path, monkeypatch) -> None
     with stacks.stacks_on_signal(path):
         for message in ("first stall", "second stall"):
             try:
-                dog._end({"id": message, "time": "now", "message": message})
+                dog._end({"id": message, "time": "now", "message": message, "wake": []})
             except SystemExit as e:
                 assert e.code == watchdog.EXIT_CODE
     progress.stalled.clear()
@@ -200,8 +200,8 @@ def _pid_of_rank(run_dir: Path, rank: int) -> int:
     return int(re.search(rf"rank {rank} of \d+: pid (\d+)", log)[1])
 
 
-def _assert_stacks(run_dir: Path, ranks: tuple[int, ...] = (0, 1)) -> None:
-    for rank in ranks:
+def _assert_stacks(run_dir: Path) -> None:
+    for rank in (0, 1):
         stacks = (run_dir / "logs" / f"rank{rank}.stacks").read_text()
         assert "most recent call first" in stacks and 'File "' in stacks, stacks
         assert "training/loop.py" in stacks  # the main thread, in the loop
@@ -237,10 +237,7 @@ def test_a_stopped_rank_ends_the_job_named_with_every_stack(tmp_path) -> None:
     trained = max(int(r["step"]) for r in read_metrics(run_dir))
     assert 0 < int(line[2]) <= trained
     assert "rank 0 on host" not in message  # the rank that waited is not blamed
-    _assert_stacks(run_dir, (0,))
-    # A stopped rank is left as it is (not woken: a debugger may hold it): it writes none.
-    stopped = run_dir / "logs" / "rank1.stacks"
-    assert not stopped.exists() or "verdict" not in stopped.read_text()
+    _assert_stacks(run_dir)
 
 
 def test_a_rank_in_a_dead_loop_ends_the_job_named(tmp_path) -> None:
@@ -266,7 +263,7 @@ def test_a_rank_stopped_before_its_first_step_ends_the_job_named(tmp_path) -> No
     assert re.search(r"rank 1 on host \S+ \(pid \d+, before its first step, not running: "
                      r"stopped\?\) has made no progress for 5 s", message), message
     assert "rank 0 on host" not in message
-    assert "verdict" in (run_dir / "logs" / "rank0.stacks").read_text()
+    assert "faults.py" in (run_dir / "logs" / "rank1.stacks").read_text()  # woken to write it
 
 
 def _torchrun_rank_pid(run_dir: Path, rank: int) -> int | None:
@@ -284,8 +281,8 @@ def _torchrun_rank_pid(run_dir: Path, rank: int) -> int | None:
 
 
 def test_a_stopped_rank_under_torchrun_ends_the_job_at_once_in_one_line(tmp_path) -> None:
-    """After the verdict no rank trains on (no validation, no checkpoint), and no rank's failed
-    collective is reported instead of the stall (no traceback)."""
+    """After the verdict no rank trains on (no validation, no checkpoint), and the woken rank's
+    failed collective is not reported instead of the stall (no traceback)."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -308,7 +305,7 @@ def test_a_stopped_rank_under_torchrun_ends_the_job_at_once_in_one_line(tmp_path
     assert f'File "{REPO / "src" / "app"}' not in output, output[-3000:]
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "failed" and result["error"].startswith("Stalled: rank 1"), result
-    # Rank 0 waited at step N; no rank goes past that step.
+    # Rank 0 waited at step N; the woken rank may finish that step, no more.
     stopped_at = int(lines[0])
     steps = [int(r["step"]) for r in read_metrics(run_dir) if r.get("split") == "val"]
     assert max(steps) <= stopped_at + 1, (stopped_at, steps)

@@ -1,6 +1,6 @@
 """A process's Python stacks on demand: `kill -s RTMIN+4 PID` writes the stacks of any app
 process that registered a file here (every rank, the launcher of spawned workers, a
-one-process run)."""
+one-process run). The stall watchdog sends it to a stopped rank to collect its stacks."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ import faulthandler
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -31,6 +32,7 @@ import torch.distributed as tdist
 
 from app import progress
 from app.env import this_process
+from app.launch.stacks import DUMP_SIGNAL
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +109,8 @@ def describe(peers: list[Peer], culprits: list[Peer], now: float, stall_s: float
              run_dir: Path, waited: str = "while the other ranks waited") -> str:
     """The one line that ends a stalled job. A rank's step is the last one it published (up to
     a second old); the step the others wait at says where it stopped."""
-    end = (f"the job was ended (distributed.stall_timeout_s={stall_s:g}); each running rank's "
-           f"Python stack is in {run_dir / 'logs'}/rank{{N}}.stacks")
+    end = (f"the job was ended (distributed.stall_timeout_s={stall_s:g}); every rank's Python "
+           f"stack is in {run_dir / 'logs'}/rank{{N}}.stacks")
     if not culprits:
         return (f"every rank has waited in a collective for {stall_s:g} s with no progress "
                 f"(ranks that called different collectives?): {end}")
@@ -223,16 +225,18 @@ class Watchdog:
                 server.heard_at = min(server.heard_at, now - self.stall_s)
                 self._end(self._verdict(describe(
                     self.peers, [server], now, self.stall_s, self.run_dir,
-                    "(its store did not answer either) while the others waited")))
+                    "(its store did not answer either) while the others waited"), [server], now))
             culprits = judge(self.peers, now, self.stall_s) if self.proposal is None else None
             if culprits is not None:
                 self.proposal = json.dumps(self._verdict(describe(
-                    self.peers, culprits, now, self.stall_s, self.run_dir)))
+                    self.peers, culprits, now, self.stall_s, self.run_dir), culprits, now))
 
-    def _verdict(self, message: str) -> dict[str, Any]:
-        """Its id and time (the stacks files' headers) and its line."""
+    def _verdict(self, message: str, culprits: list[Peer], now: float) -> dict[str, Any]:
+        """Its id and time (the stacks files' headers), its line, the stopped ranks to wake."""
         return {"id": f"{time.time():.3f}-r{self.rank}", "message": message,
-                "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+                "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                "wake": [[p.rank, p.host, p.pid] for p in culprits
+                         if p.silent(now, self.stall_s)]}
 
     def _end(self, verdict: dict[str, Any]) -> None:
         """Write the stacks, report the verdict, and exit once the others have read it (a rank
@@ -250,13 +254,36 @@ class Watchdog:
             os._exit(EXIT_CODE)
 
     def _write_stacks(self, verdict: dict[str, Any]) -> None:
-        """This rank's stacks, a section per verdict after a header (a file kept from an earlier
-        stall, or a dump asked for by hand, stays above it). A stopped rank writes none: waking
-        a process that someone stopped (a debugger, Ctrl-Z) is not the watchdog's to do."""
-        with open(self.run_dir / "logs" / f"rank{self.rank}.stacks", "a") as f:
-            f.write(f"=== {verdict['time']} verdict {verdict['id']}, rank {self.rank}: "
-                    f"{verdict['message']} (pid {self.pid}, host {self.host})\n")
-            faulthandler.dump_traceback(file=f, all_threads=True)
+        """A section of this rank's stacks file per verdict, after a header (a file kept from an
+        earlier stall, or a dump asked for by hand, stays above it). The lowest rank of a host
+        that is not stopped wakes its stopped ranks: the dump signal, then SIGCONT."""
+        def header(rank: int, note: str) -> Path:
+            path = self.run_dir / "logs" / f"rank{rank}.stacks"
+            with open(path, "a") as f:
+                f.write(f"=== {verdict['time']} verdict {verdict['id']}, rank {rank}: "
+                        f"{verdict['message']} ({note})\n")
+            return path
+
+        mine = self.run_dir / "logs" / f"rank{self.rank}.stacks"
+        if f"verdict {verdict['id']}, rank {self.rank}:" not in (  # (woken: written)
+                mine.read_text(errors="replace") if mine.is_file() else ""):
+            with open(header(self.rank, f"pid {self.pid}, host {self.host}"), "a") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        stopped = {rank for rank, _, _ in verdict["wake"]}
+        helpers = [p.rank for p in self.peers if p.host == self.host and p.rank not in stopped]
+        sizes = {}
+        for rank, host, pid in verdict["wake"] if self.rank == min(helpers, default=-1) else []:
+            if host == self.host and pid and DUMP_SIGNAL and _status(pid) in (
+                    psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                path = header(rank, f"pid {pid}, stopped: written when rank {self.rank} woke it")
+                sizes[path] = path.stat().st_size
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, DUMP_SIGNAL)
+                    os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5  # (until their stacks are written)
+        while time.monotonic() < deadline and any(
+                path.stat().st_size <= size for path, size in sizes.items()):
+            time.sleep(0.05)
 
 
 def start(stall_s: float | None, run_dir: Path, rank: int, world_size: int,
