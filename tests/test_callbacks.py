@@ -214,3 +214,4 @@ def test_device_id_picks_one_device_or_says_which_exist(tmp_path, monkeypatch) -
                                         r"count among the visible devices"):
         plan.check_device_id("cuda", 3)
     plan.check_device_id("cuda", 1)
+    plan.check_device_id("cpu", 0)  # (the one device: as if it were not given)

@@ -180,11 +180,13 @@ def resolve_devices(devices: int | str, kind: str) -> int:
 def check_device_id(kind: str, device_id: int) -> None:
     """Device `device_id` for a one-process run (the older launchers' --gpu), counted among the
     visible devices as PyTorch numbers them."""
-    if kind in ("cpu", "mps"):
+    one = kind in ("cpu", "mps")
+    if 0 <= device_id < (1 if one else device_count(kind)):
+        return
+    if one:
         raise UserError(f"device_id={device_id}: the run is on the {kind}, which is one device "
                         f"(no GPU or other accelerator is in use); drop device_id")
     count = device_count(kind)
-    if not 0 <= device_id < count:
-        raise UserError(f"device_id={device_id}: {count} {kind} device(s) are visible; indices "
-                        f"count among the visible devices (CUDA_VISIBLE_DEVICES or its "
-                        f"equivalent), from 0")
+    raise UserError(f"device_id={device_id}: {count} {kind} device(s) are visible; indices "
+                    f"count among the visible devices (CUDA_VISIBLE_DEVICES or its "
+                    f"equivalent), from 0")
