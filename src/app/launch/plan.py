@@ -181,12 +181,12 @@ def check_device_id(kind: str, device_id: int) -> None:
     """Device `device_id` for a one-process run (the older launchers' --gpu), counted among the
     visible devices as PyTorch numbers them."""
     one = kind in ("cpu", "mps")
-    if 0 <= device_id < (1 if one else device_count(kind)):
+    count = 1 if one else device_count(kind)
+    if 0 <= device_id < count:
         return
     if one:
         raise UserError(f"device_id={device_id}: the run is on the {kind}, which is one device "
                         f"(no GPU or other accelerator is in use); drop device_id")
-    count = device_count(kind)
     raise UserError(f"device_id={device_id}: {count} {kind} device(s) are visible; indices "
                     f"count among the visible devices (CUDA_VISIBLE_DEVICES or its "
                     f"equivalent), from 0")
