@@ -52,3 +52,30 @@ def test_nothing_is_held_without_a_signal() -> None:
         assert held() is None
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("in_a_job", [True, False])
+def test_a_rank_that_left_its_loop_ignores_the_stop_its_launcher_passes_on(in_a_job) -> None:
+    """Its launcher (ours, torchrun's agent) sends each rank the stop it got, which may arrive
+    after the rank left the loop: ignored there, or the rank would die before recording its end
+    (a SIGTERM to the process group then ended a run as "no checkpoint was saved at the stop").
+    A run in the user's own process gets its handlers back."""
+    import torch.distributed as tdist
+
+    from app.training.stop import StopRequest
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if in_a_job:
+        tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        with StopRequest() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            while not stop.should_stop():
+                pass
+        after = {sig: signal.getsignal(sig) for sig in before}
+        assert after == ({sig: signal.SIG_IGN for sig in before} if in_a_job else before)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        if in_a_job:
+            tdist.destroy_process_group()

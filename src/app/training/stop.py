@@ -92,4 +92,10 @@ class StopRequest:
         self._pending = None
         signals.restore(self._previous)
         self._previous = {}
+        if dist.initialized():
+            # A rank of a job: its launcher (ours, torchrun's agent) passes a stop signal on to
+            # every rank, and its copy may come after this rank left the loop (stopped or
+            # completed): it must not end the rank before its end is recorded. A rank that does
+            # not end is killed by its launcher.
+            signals.install(signal.SIG_IGN)
 
