@@ -3,8 +3,10 @@
 While a command composes, submits or sets a run up, SIGTERM ends it as Ctrl-C does (`exit_on`).
 A job of a job system keeps that system's handling (submitit ignores the SIGTERM Slurm sends
 before its SIGKILL), but one before the loop is held for it (`hold_sigterm`). The loop and the
-launcher of local workers stop at a step (`caught`); once the run has completed, a signal stops
-nothing (`stop_signals_stop_nothing`). Handlers are set in the main thread only (Python's rule).
+launcher of local workers stop at a step (`caught`); a rank that has left its loop ignores them
+(app.training.stop: its launcher passes each on, and kills a rank that does not end); once the
+run has completed, a signal stops nothing (`stop_signals_stop_nothing`). Handlers are set in
+the main thread only (Python's rule).
 """
 
 from __future__ import annotations
