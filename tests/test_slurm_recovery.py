@@ -57,12 +57,15 @@ def test_which_endings_requeue_the_job(status, errors, failures, state, restarts
 
 
 def test_a_job_restarted_too_often_is_refused(monkeypatch) -> None:
+    from app.errors import JobFailed
+
     monkeypatch.setenv("SLURM_RESTART_COUNT", "5")
-    assert check_restarts(3, 2) is None  # 3 timeouts and 2 node failures may happen
+    check_restarts(3, 2)  # 3 timeouts and 2 node failures may happen
     monkeypatch.setenv("SLURM_RESTART_COUNT", "6")
-    assert "restarted 6 times" in check_restarts(3, 2)
+    with pytest.raises(JobFailed, match="restarted 6 times"):
+        check_restarts(3, 2)
     monkeypatch.delenv("SLURM_RESTART_COUNT")
-    assert check_restarts(0, 0) is None  # a first run
+    check_restarts(0, 0)  # a first run
 
 
 # -- on the cluster ------------------------------------------------------------------------------

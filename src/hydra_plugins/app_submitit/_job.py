@@ -28,11 +28,6 @@ def uses_job_id(config: DictConfig) -> bool:
     return "hydra.job.id" in str(OmegaConf.to_container(config.hydra.sweep)["subdir"])
 
 
-def with_job_id(config: DictConfig, job_id: str) -> None:  # (a run directory may be named by it)
-    with read_write(config.hydra.job), open_dict(config.hydra.job):
-        config.hydra.job.id = job_id
-
-
 class ComposedOnce:
     """Hydra's sweepers compose each job's config to check the batch and throw it away (0.1-0.2
     s a job): wrapped around `load_sweep_config`, this keeps them for the launcher to `take`."""
@@ -117,22 +112,22 @@ class JobSide:
         """One allocation serves every job of a sweep: it must fit each job's topology."""
         from app.errors import UserError
 
-        local = (self.params["tasks_per_node"], self.params["nodes"])
-        if self._EXECUTOR == "local" and local != (1, 1):
+        tasks, hosts = self.params["tasks_per_node"], self.params["nodes"]
+        if self._EXECUTOR == "local" and (tasks, hosts) != (1, 1):
             raise UserError(
-                f"hydra.launcher.tasks_per_node={local[0]} nodes={local[1]}: a local job is one "
+                f"hydra.launcher.tasks_per_node={tasks} nodes={hosts}: a local job is one "
                 f"process on this machine, which starts its `devices` workers itself; set "
                 f"devices=N instead")
-        if self._EXECUTOR == "slurm" and (devices, nodes) != (
-                self.params["tasks_per_node"], self.params["nodes"]):
+        if self._EXECUTOR == "slurm" and (devices, nodes) != (tasks, hosts):
             raise UserError(
-                f"devices={devices} nodes={nodes} differ from the sweep's allocation "
-                f"({self.params['tasks_per_node']} tasks per node, {self.params['nodes']} "
-                f"nodes): submit one sweep per value of devices and nodes")
+                f"devices={devices} nodes={nodes} differ from the sweep's allocation ({tasks} "
+                f"tasks per node, {hosts} nodes): submit one sweep per value of devices and nodes")
 
     def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int,
                  job_id: str, singleton_state: dict[type, Singleton]) -> JobReturn:
-        from app.env import enter
+        from app.env import enter, this_process
+        from app.errors import JobFailed
+        from app.reporting.results import read_result
         from app.signals import hold_sigterm
 
         assert self.hydra_context is not None
@@ -141,14 +136,9 @@ class JobSide:
         hold_sigterm()
         enter()  # this job's place: detected once, in this process's entry
         if self._EXECUTOR == "slurm":
-            from app.errors import JobFailed
-
             from ._recover import check_restarts
 
-            too_many = check_restarts(self.params.get("max_num_timeout", 0),
-                                      self.max_num_failures)
-            if too_many is not None:
-                raise JobFailed(too_many)
+            check_restarts(self.params.get("max_num_timeout", 0), self.max_num_failures)
         # The stock job, on the config composed and validated at submission.
         self.hydra_context.config_loader.load_sweep_config = \
             lambda *_: self.composed[job_num].copy()
@@ -158,17 +148,10 @@ class JobSide:
             # Raises the job's own exception (Hydra writes a line of its own first: not here)
             with contextlib.redirect_stderr(io.StringIO()):
                 _ = result.return_value
-        self._fail_if_recorded(Path(result.hydra_cfg.hydra.runtime.output_dir))
-        return result
-
-    @staticmethod
-    def _fail_if_recorded(run_dir: Path) -> None:
-        """A one-task job returns NaN when it fails, so that a local sweep goes on
-        (app/__main__.py); its task must still exit non-zero for Slurm to mark it FAILED."""
-        from app.env import this_process
-        from app.errors import JobFailed
-        from app.reporting.results import read_result
-
-        ended = {} if this_process().is_rank else read_result(run_dir)
+        # A one-task job returns NaN when it fails, so that a local sweep goes on
+        # (app/__main__.py); its task must still exit non-zero for Slurm to mark it FAILED.
+        ended = {} if this_process().is_rank else read_result(
+            Path(result.hydra_cfg.hydra.runtime.output_dir))
         if ended.get("status") == "failed":
             raise JobFailed(ended.get("error") or "the job failed")
+        return result

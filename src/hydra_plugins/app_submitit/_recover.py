@@ -87,14 +87,15 @@ def teardown_lines(folder: str, max_failures: int) -> list[str]:
             "exit $app_srun_status"]
 
 
-def check_restarts(max_timeouts: int, max_failures: int) -> str | None:
-    """At a job's start: why it must not run (restarted more often than allowed: Slurm's own
+def check_restarts(max_timeouts: int, max_failures: int) -> None:
+    """At a job's start: JobFailed when it was restarted more often than allowed (Slurm's own
     requeues after node failures count as failures)."""
+    from app.errors import JobFailed
+
     count = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     if count > max_timeouts + max_failures:
-        return (f"restarted {count} times, more than hydra.launcher.max_num_timeout="
-                f"{max_timeouts} plus max_num_failures={max_failures} allow")
-    return None
+        raise JobFailed(f"restarted {count} times, more than hydra.launcher.max_num_timeout="
+                        f"{max_timeouts} plus max_num_failures={max_failures} allow")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.singleton import Singleton
+from omegaconf import open_dict, read_write
 
 from . import log, refuse
-from ._job import with_job_id
 
 
 class SubmitSide:
@@ -75,7 +75,8 @@ class SubmitSide:
         from app.sweeps import record as sweep_record
 
         for num in nums:  # (a run directory may be named by its job id)
-            with_job_id(self.composed[num], self.jobs[num].job_id)
+            with read_write(job := self.composed[num].hydra.job), open_dict(job):
+                job.id = self.jobs[num].job_id
         if self._EXECUTOR != "slurm" or not nums:
             return
         for num in nums if submitted else []:
