@@ -20,14 +20,6 @@ def held(reason: str) -> bool:
     return reason.startswith("JobHeld") or "held" in reason.replace("_", " ").split()
 
 
-def stuck(state: str, reason: str) -> bool:
-    if not state.upper().startswith("PENDING"):
-        return False
-    # QOSMaxCpuPerJobLimit, AssocMaxWallDurationPerJobLimit ...: the job itself is over a
-    # limit of its QOS or account (not a count of running jobs, which goes down).
-    return held(reason) or reason in NEVER or "PerJob" in reason
-
-
 class Stuck:
     """What was said of each job of one launch (`nums`: Slurm job id -> job number)."""
 
@@ -40,7 +32,10 @@ class Stuck:
         for job_id, (state, reason) in sorted(watcher.waiting().items()):
             num = self.nums.get(job_id)
             label = f"slurm job {job_id}" if num is None else f"job #{num} (slurm job {job_id})"
-            if stuck(state, reason):
+            # QOSMaxCpuPerJobLimit, AssocMaxWallDurationPerJobLimit ...: the job itself is over
+            # a limit of its QOS or account (not a count of running jobs, which goes down).
+            if state.upper().startswith("PENDING") and (
+                    held(reason) or reason in NEVER or "PerJob" in reason):
                 if self.said.get(job_id) != reason:
                     self.said[job_id] = reason
                     log.warning("%s %s", label, self._why(job_id, reason))

@@ -15,9 +15,7 @@ from . import log
 class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
     """submitit's watcher (a poll at least every 60 s: well under MinJobAge)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._failed = False
+    _failed = False  # (Slurm did not answer: told once)
 
     def is_done(self, job_id: str, mode: str = "standard") -> bool:
         return self.get_state(job_id, mode=mode).split()[0].upper() in slurm.FINAL
@@ -33,16 +31,14 @@ class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
             return
         self._num_calls += 1
         known = slurm.states(ids)
-        if known is None and not self._failed:  # (told once; states stay as they were)
+        if known is None and not self._failed:  # (states stay as they were)
             log.warning("Slurm does not answer (scontrol show job failed): job states may lag")
         self._failed = self._failed or known is None
         self._info_dict.update({job_id: {"JobID": job_id, "State": job.state,
                                          "Reason": job.reason}
                                 for job_id, job in (known or {}).items()})
         self._last_status_check = time.time()
-        for job_id in ids:
-            if self.is_done(job_id, mode="cache"):
-                self._finished.add(job_id)
+        self._finished.update(job_id for job_id in ids if self.is_done(job_id, mode="cache"))
 
     def waiting(self) -> dict[str, tuple[str, str]]:
         """Each job not finished -> (state, Slurm's reason), as last polled."""
