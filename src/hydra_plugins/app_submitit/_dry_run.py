@@ -13,26 +13,6 @@ from app import slurm
 from . import refuse
 
 
-def arithmetic(params: dict[str, Any], num_jobs: int, arrays: list[int],
-               max_num_failures: int) -> list[str]:
-    """The resources of one job, and how the sweep is submitted, in plain lines."""
-    nodes, tasks, per_task = params["nodes"], params["tasks_per_node"], params.get(
-        "cpus_per_task") or 1
-    mem = params.get("mem_gb")  # (Slurm reads --mem=0 as all of a node's memory)
-    memory = "the partition default" if mem is None else "all of a node" if mem == 0 else \
-        f"{mem} GB"
-    sizes = ", ".join(f"{n} of {size}" for size, n in sorted(Counter(arrays).items(),
-                                                            reverse=True))
-    return [f"each job: {nodes} node(s) x {tasks} task(s) = {nodes * tasks} rank(s); per node "
-            f"{params.get('gpus_per_node') or 0} GPU(s), {per_task * tasks} CPU(s) ({per_task} "
-            f"per task), {memory} of memory",
-            f"time limit {params['timeout_min']} min per run; requeued up to "
-            f"{params.get('max_num_timeout', 0)} time(s) at the limit and up to "
-            f"{max_num_failures} time(s) after a fault (it resumes)",
-            f"{num_jobs} job(s) in {len(arrays)} submission(s) ({sizes} job(s)), at most "
-            f"{params.get('array_parallelism', num_jobs)} running at once"]
-
-
 def invalid(params: dict[str, Any], max_num_failures: int) -> list[str]:
     """Values no cluster could mean (checked before any submission, dry run or not)."""
     found = []
@@ -117,7 +97,11 @@ def _never_runs_on(params: dict[str, Any], name: str, partitions: dict[str, dict
                      f"task(s)): over partition {name}'s MaxCPUsPerNode of {max_cpus}")
     gpus = params.get("gpus_per_node") or 0
     mem_mb = None if params.get("mem_gb") is None else params["mem_gb"] * 1024
-    offered = {n: _offers(nodes[n]) for n in members}
+    offered = {}  # each node's CPUs, memory (MB; None for RealMemory=1: not set) and GPUs
+    for n in members:
+        real = int(nodes[n].get("RealMemory", "1") or 1)
+        offered[n] = (int(nodes[n].get("CPUTot", "0") or 0), None if real <= 1 else real,
+                      slurm.gpus(nodes[n].get("Gres", "")))
     fitting = [n for n, (c, m, g) in offered.items()
                if c >= cpus and g >= gpus and (mem_mb is None or m is None or m >= mem_mb)]
     # (fewer nodes than asked, all of which fit: the node count alone, said above)
@@ -131,13 +115,6 @@ def _never_runs_on(params: dict[str, Any], name: str, partitions: dict[str, dict
                      f"{len(fitting)} of partition {name}'s nodes do, {params['nodes']} "
                      f"needed{have}{'' if fitting else _over(params, list(offered.values()))}")
     return found
-
-
-def _offers(node: dict[str, str]) -> tuple[int, int | None, int]:
-    """A node's CPUs, memory (MB; None for RealMemory=1, Slurm's default: not set) and GPUs."""
-    real = int(node.get("RealMemory", "1") or 1)
-    return int(node.get("CPUTot", "0") or 0), None if real <= 1 else real, \
-        slurm.gpus(node.get("Gres", ""))
 
 
 def _over(params: dict[str, Any], offered: list[tuple[int, int | None, int]]) -> str:
@@ -198,8 +175,20 @@ def report(executor: Any, params: dict[str, Any], max_num_failures: int,
     for num in nums:
         print(f"job #{num}: {' '.join(filter_overrides(overrides[num])) or '(no overrides)'}"
               f" -> {run_dirs[num]}")
-    for line in arithmetic(params, len(nums), [len(p) for p in parts], max_num_failures):
-        print(line)
+    nodes, tasks, per_task = params["nodes"], params["tasks_per_node"], params.get(
+        "cpus_per_task") or 1
+    mem = params.get("mem_gb")  # (Slurm reads --mem=0 as all of a node's memory)
+    memory = "the partition default" if mem is None else "all of a node" if mem == 0 else \
+        f"{mem} GB"
+    sizes = ", ".join(f"{n} of {size}" for size, n in sorted(Counter(map(len, parts)).items(),
+                                                            reverse=True))
+    print(f"each job: {nodes} node(s) x {tasks} task(s) = {nodes * tasks} rank(s); per node "
+          f"{params.get('gpus_per_node') or 0} GPU(s), {per_task * tasks} CPU(s) ({per_task} "
+          f"per task), {memory} of memory\ntime limit {params['timeout_min']} min per run; "
+          f"requeued up to {params.get('max_num_timeout', 0)} time(s) at the limit and up to "
+          f"{max_num_failures} time(s) after a fault (it resumes)\n{len(nums)} job(s) in "
+          f"{len(parts)} submission(s) ({sizes} job(s)), at most "
+          f"{params.get('array_parallelism', len(nums))} running at once")
     if limit:
         print(f"the cluster's MaxArraySize is {limit}: an array holds at most {limit} jobs")
     found = invalid(params, max_num_failures) + (problems(params) if on_slurm else [])
