@@ -14,7 +14,7 @@ import pytest
 
 from app import slurm, status
 from conftest import REPO
-from hydra_plugins.app_submitit._dry_run import chunks
+from hydra_plugins.app_submitit._dry_run import arrays
 
 
 def _app_module(module: str, path: Path) -> subprocess.CompletedProcess:
@@ -22,15 +22,17 @@ def _app_module(module: str, path: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_slurm_answers_are_read() -> None:
+def test_slurm_answers_are_read(monkeypatch) -> None:
     assert slurm._task_ids("0-3,7%2") == ["0", "1", "2", "3", "7"]
     assert slurm.minutes("UNLIMITED") is None
     assert [slurm.minutes(t) for t in ("60", "1:30:00", "2-00:00:00", "5:00")] == \
         [60, 90, 2880, 5]
     assert slurm.gpus("gpu:a100:8(S:0-1),gpu:2") == 10 and slurm.gpus("(null)") == 0
     # An array's task ids stay below MaxArraySize: 10 jobs with MaxArraySize=4.
-    assert chunks(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert chunks([3, 4], None) == [[3, 4]]
+    monkeypatch.setattr(slurm, "max_array_size", lambda: 4)
+    assert arrays(list(range(10)), {"array_parallelism": 5}, True) == (
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]], True, 4)
+    assert arrays([3, 4], {}, False) == ([[3, 4]], False, None)
 
 
 def _run_dir(tmp_path: Path, result: dict | None = None, steps: int = 0, total: int = 40,

@@ -133,18 +133,14 @@ def _over(params: dict[str, Any], offered: list[tuple[int, int | None, int]]) ->
         "; no node offers all of it at once"
 
 
-def chunks(nums: list[int], max_array_size: int | None) -> list[list[int]]:
-    """The jobs of each array: an array's task ids must stay below MaxArraySize."""
-    size = max(1, max_array_size or len(nums))
-    return [nums[start:start + size] for start in range(0, len(nums), size)]
-
-
 def arrays(nums: list[int], params: dict[str, Any], on_slurm: bool
            ) -> tuple[list[list[int]], bool, int | None]:
-    """The arrays to submit, whether each waits for the one before it (when they hold more
-    jobs than array_parallelism, so that it caps the whole sweep), and MaxArraySize."""
+    """The arrays to submit (an array's task ids must stay below MaxArraySize), whether each
+    waits for the one before it (when they hold more jobs than array_parallelism, so that it
+    caps the whole sweep), and MaxArraySize."""
     limit = slurm.max_array_size() if on_slurm else None
-    parts, cap = chunks(nums, limit), params.get("array_parallelism")
+    size, cap = max(1, limit or len(nums)), params.get("array_parallelism")
+    parts = [nums[start:start + size] for start in range(0, len(nums), size)]
     return parts, len(parts) > 1 and cap is not None and len(nums) > cap, limit
 
 
