@@ -29,18 +29,6 @@ class Snapshot:
                 "export PYTHONSAFEPATH=1"]
 
 
-def import_roots() -> list[Path]:
-    """The working directory, PYTHONPATH, app's source outside site-packages, in order."""
-    import app
-
-    roots = [Path.cwd(), *(Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                           if p)]
-    source = Path(app.__file__).resolve().parents[1]
-    if not {"site-packages", "dist-packages"} & set(source.parts):
-        roots.append(source)
-    return [root for root in dict.fromkeys(r.resolve() for r in roots) if root.is_dir()]
-
-
 def files_of(root: Path) -> list[Path]:
     """The files git tracks or does not ignore (else the `.py` files), relative to `root`."""
     try:
@@ -69,8 +57,16 @@ def _environment(folder: Path) -> bool:
 
 
 def take(sweep_dir: Path, max_mb: float) -> Snapshot:
-    """Copy the import folders into sweep_dir/.code/N (N: one more per submission)."""
-    roots = import_roots()
+    """Copy the import folders (the working directory, PYTHONPATH, app's source outside
+    site-packages, in order) into sweep_dir/.code/N (N: one more per submission)."""
+    import app
+
+    source = Path(app.__file__).resolve().parents[1]
+    roots = [Path.cwd(), *(Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                           if p)]
+    if not {"site-packages", "dist-packages"} & set(source.parts):
+        roots.append(source)
+    roots = [root for root in dict.fromkeys(r.resolve() for r in roots) if root.is_dir()]
     # A folder inside another one is found in that one's copy (the working directory and
     # its src/, say): copied once.
     copied = [r for r in roots if not any(o != r and o in r.parents for o in roots)]
