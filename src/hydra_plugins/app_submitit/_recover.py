@@ -80,13 +80,6 @@ def requeued(job: Any, confirm_s: float = 10.0) -> bool:
     return False
 
 
-def teardown_lines(folder: str, max_failures: int) -> list[str]:
-    return ["app_srun_status=$?",
-            f"{sys.executable} -m hydra_plugins.app_submitit._recover \"$app_srun_status\" "
-            f"'{folder}' {max_failures}",
-            "exit $app_srun_status"]
-
-
 def check_restarts(max_timeouts: int, max_failures: int) -> None:
     """At a job's start: JobFailed when it was restarted more often than allowed (Slurm's own
     requeues after node failures count as failures)."""

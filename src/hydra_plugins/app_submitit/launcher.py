@@ -137,11 +137,11 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         shared = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(**{k if k in shared else f"{self._EXECUTOR}_{k}": v
                                       for k, v in params.items()})
-        if self._EXECUTOR == "slurm":
-            from ._recover import teardown_lines
-
-            executor.update_parameters(slurm_setup=self._setup_lines(), slurm_teardown=(
-                teardown_lines(str(folder), self.max_num_failures)))
+        if self._EXECUTOR == "slurm":  # (after srun: _recover's main, with srun's status)
+            executor.update_parameters(slurm_setup=self._setup_lines(), slurm_teardown=[
+                "app_srun_status=$?", f"{sys.executable} -m hydra_plugins.app_submitit._recover "
+                f"\"$app_srun_status\" '{folder}' {self.max_num_failures}",
+                "exit $app_srun_status"])
         return executor
 
     def _setup_lines(self) -> list[str]:
