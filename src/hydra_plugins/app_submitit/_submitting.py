@@ -61,7 +61,7 @@ class SubmitSide:
         if fresh and self._EXECUTOR == "slurm" and self.code_snapshot:
             from ._snapshot import take
 
-            executor.update_parameters(slurm_setup=self._setup_lines() + take(
+            executor.update_parameters(slurm_setup=self.setup_lines + take(
                 sweep_dir, self.snapshot_max_mb).setup_lines())
         self._record(list(jobs), overrides, sweep_dir, submitted=False)
         self._submit_arrays(submitit, executor, fresh, overrides, sweep_dir)

@@ -27,9 +27,6 @@ from . import log, refuse
 from ._job import JobSide, uses_job_id
 from ._submitting import SubmitSide
 
-# srun ends a job's other tasks when one exits non-zero (a failed rank), not waiting for them
-KILL_ON_BAD_EXIT = "export SLURM_KILL_BAD_EXIT=1"
-
 
 class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
     def __init__(self, **params: Any) -> None:
@@ -42,6 +39,8 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         self.jobs: dict[int, Any] = {}  # num -> job: followed, and submitted so far
         self.in_sbatch = False
         super().__init__(**params)
+        # srun ends a job's other tasks at once when one exits non-zero (a failed rank)
+        self.setup_lines = ["export SLURM_KILL_BAD_EXIT=1", *(self.params.get("setup") or [])]
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
                ) -> Sequence[JobReturn]:
@@ -138,14 +137,11 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         executor.update_parameters(**{k if k in shared else f"{self._EXECUTOR}_{k}": v
                                       for k, v in params.items()})
         if self._EXECUTOR == "slurm":  # (after srun: _recover's main, with srun's status)
-            executor.update_parameters(slurm_setup=self._setup_lines(), slurm_teardown=[
+            executor.update_parameters(slurm_setup=self.setup_lines, slurm_teardown=[
                 "app_srun_status=$?", f"{sys.executable} -m hydra_plugins.app_submitit._recover "
                 f"\"$app_srun_status\" '{folder}' {self.max_num_failures}",
                 "exit $app_srun_status"])
         return executor
-
-    def _setup_lines(self) -> list[str]:
-        return [KILL_ON_BAD_EXIT, *(self.params.get("setup") or [])]
 
     def _detached(self, jobs: dict[int, Any], overrides: dict[int, list[str]],
                   sweep_dir: Path) -> list[JobReturn]:
