@@ -25,6 +25,7 @@ import pickle
 import shutil
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +53,6 @@ def is_sharded(path: str | Path) -> bool:
     return (Path(path) / INDEX).is_file()
 
 
-def temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp")
-
-
 # ---- writing ---------------------------------------------------------------------------------
 
 class ShardedWriter(BackgroundWrites):
@@ -74,12 +71,10 @@ class ShardedWriter(BackgroundWrites):
         import torch.distributed.checkpoint as dcp
 
         start = self._begin()
-        tmp = temporary(path)
-        if self.background:
-            shards = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.group).result
-        else:
-            def shards() -> None:
-                dcp.save(tensors, checkpoint_id=tmp, process_group=self.group)
+        tmp = path.with_name(f".{path.name}.tmp")
+        shards = (dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.group).result
+                  if self.background else
+                  partial(dcp.save, tensors, checkpoint_id=tmp, process_group=self.group))
         return self._run(lambda: self._write(shards, meta, tmp, path, then), "app-dcp-writer",
                          start)
 
@@ -152,11 +147,10 @@ class _IndexUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("builtins.getattr")
 
 
-def read_index(path: str | Path) -> Any:
+def read_index(path: Path) -> Any:
     """DCP's index of a sharded checkpoint (its Metadata), read safely, after checking that
     every shard file it names is there and as long as it says (a checkpoint whose shards were
     lost or cut short is not one to read)."""
-    path = Path(path)
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
@@ -169,7 +163,7 @@ def read_index(path: str | Path) -> Any:
                         f"you trust") from e
     except Exception as e:  # (garbage bytes make the unpickler raise almost anything)
         raise UserError(f"checkpoint {path}: its index ({INDEX}) does not read "
-                        f"({_first_line(e)})") from e
+                        f"({io.reason(e) or one_line(e)})") from e
     if not isinstance(metadata, Metadata):
         raise UserError(f"checkpoint {path}: its index ({INDEX}) is not DCP's")
     ends: dict[str, int] = {}
@@ -186,14 +180,13 @@ def read_index(path: str | Path) -> Any:
     return metadata
 
 
-def tensor_groups(path: str | Path) -> set[str]:
+def tensor_groups(path: Path) -> set[str]:
     """The entries of the checkpoint whose tensors are in its shards: model, optimizer, ema."""
     return {key.split(".", 1)[0] for key in read_index(path).state_dict_metadata}
 
 
-def read_meta(path: str | Path) -> dict[str, Any]:
+def read_meta(path: Path) -> dict[str, Any]:
     """meta.pt of a sharded checkpoint, after checking its index (`read_index`)."""
-    path = Path(path)
     read_index(path)
     if not (path / META).is_file():
         raise UserError(f"checkpoint {path}: no {META}: an incomplete sharded checkpoint")
@@ -210,51 +203,37 @@ def dcp_error(e: BaseException) -> str:
 
     if isinstance(e, CheckpointException) and e.failures:
         rank, failure = min(e.failures.items())
-        if isinstance(failure, tuple):  # (the error and its stack)
-            failure = failure[0]
-        return f"rank {rank}: {_first_line(failure)}"
-    return _first_line(e)
-
-
-def _first_line(e: BaseException) -> str:
+        return f"rank {rank}: {dcp_error(failure[0] if isinstance(failure, tuple) else failure)}"
     return io.reason(e) or one_line(e)
 
 
-def read_tensors(path: str | Path) -> dict[str, Any]:
-    """Every tensor of a sharded checkpoint, whole, in this process (no process group)."""
-    path = Path(path)
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from app._private import read_dcp_whole
-
-    read_index(path)  # (DCP unpickles it again: checked first)
-    try:
-        return read_dcp_whole(FileSystemReader(str(path)))
-    except (Exception, CheckpointException) as e:
-        raise UserError(f"checkpoint {path}: its shards do not read ({dcp_error(e)})") from e
-
-
-def optimizer_by_ids(state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state keyed by parameter names (DCP's) in the layout
-    `Optimizer.state_dict()` has: parameters numbered in the order of the groups."""
-    names = [name for group in state["param_groups"] for name in group["params"]]
-    number = {name: i for i, name in enumerate(names)}
-    return {"state": {number[n]: s for n, s in state["state"].items()},
-            "param_groups": [{**g, "params": [number[n] for n in g["params"]]}
-                             for g in state["param_groups"]]}
-
-
-def optimizer_by_names(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """The other way: `names`, the parameters' names in the optimizer's order."""
+def optimizer_by_names(state: dict[str, Any], names: Any) -> dict[str, Any]:
+    """An optimizer state numbered as `Optimizer.state_dict()` numbers it, keyed by `names`
+    (the parameters' names in the optimizer's order); `optimizer_by_ids`: back."""
     return {"state": {names[i]: s for i, s in state["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                              for g in state["param_groups"]]}
 
 
-def read_full(path: str | Path) -> dict[str, Any]:
-    """A sharded checkpoint in the single-file layout, its tensors whole."""
-    state = join(read_meta(path), read_tensors(path))
+def optimizer_by_ids(state: dict[str, Any]) -> dict[str, Any]:
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    return optimizer_by_names(state, {name: i for i, name in enumerate(names)})
+
+
+def read_full(path: Path) -> dict[str, Any]:
+    """A sharded checkpoint in the single-file layout, its tensors whole, read in this process
+    (no process group)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from app._private import read_dcp_whole
+
+    meta = read_meta(path)  # (checks the index first: DCP unpickles it again)
+    try:
+        tensors = read_dcp_whole(FileSystemReader(str(path)))
+    except (Exception, CheckpointException) as e:
+        raise UserError(f"checkpoint {path}: its shards do not read ({dcp_error(e)})") from e
+    state = join(meta, tensors)
     if "optimizer" in state:
         state["optimizer"] = optimizer_by_ids(state["optimizer"])
     return state
@@ -290,9 +269,7 @@ def join(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
 
 def model_is_sharded(model: nn.Module) -> bool:
     """Whether `model` is sharded by FSDP2 (its parameters are DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return _sharded(dict(model.named_parameters()))
 
 
 def _sharded(state: Any) -> bool:
@@ -354,12 +331,9 @@ class OptimizerState:
         if not self.sharded:  # (by position, whether numbered or named)
             self.optimizer.load_state_dict(state)
             return
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint import state_dict as dcp_state
 
         if all(isinstance(i, int) for g in state["param_groups"] for i in g["params"]):
             state = optimizer_by_names(state, self.names)  # (a file's, numbered)
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(
-            full_state_dict=not _sharded(state)))
+        dcp_state.set_optimizer_state_dict(self.model, self.optimizer, state, options=(
+            dcp_state.StateDictOptions(full_state_dict=not _sharded(state))))
