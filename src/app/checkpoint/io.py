@@ -65,7 +65,7 @@ def put(new: Path, name: Path) -> None:
     os.replace(new, name)
     sync_dir(name.parent)
     if aside is not None:
-        _remove(aside)
+        remove(aside)
 
 
 def link(source: Path, name: Path) -> None:
@@ -92,7 +92,7 @@ def periodic_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
     """Delete a file, a link, or a directory (renamed out of its name first: a kill while it
     is deleted leaves no half-deleted checkpoint under a name that is read)."""
     if path.is_dir() and not path.is_symlink():
@@ -114,22 +114,15 @@ def prune(directory: Path, keep: int) -> None:
     periodic = sorted(directory.glob("step-*.pt"))
     for old in periodic[: max(0, len(periodic) - keep)]:
         if old.resolve() not in named:
-            _remove(old)
+            remove(old)
     # Files only: another rank may have begun the next sharded checkpoint's directory.
     for stale in directory.glob(".*.tmp"):
         if not stale.is_dir() or stale.is_symlink():
             stale.unlink(missing_ok=True)
 
 
-def remove_stale(directory: Path) -> None:
-    """Before a run's first save: what a killed write left under a temporary name."""
-    for stale in directory.glob(".*.tmp"):
-        _remove(stale)
-
-
-def read(path: str | Path) -> Any:
+def read(path: Path) -> Any:
     """Read a checkpoint file with `weights_only=True`; a user-facing error if it cannot be."""
-    path = Path(path)
     if path.is_dir():
         if (path / "meta.pt").is_file() or any(path.glob("*.distcp")):
             raise UserError(f"checkpoint {path}: a sharded checkpoint's directory without "
@@ -141,7 +134,7 @@ def read(path: str | Path) -> Any:
     # Garbage bytes make the unpickler raise almost anything (IndexError, KeyError,
     # UnicodeDecodeError, ...): every one of them means the file is not a readable checkpoint.
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         # A pickle of objects names the global it refused ("Unsupported global: GLOBAL ...",
         # "unsupported GLOBAL posix.system"); bytes it cannot read do not.
@@ -158,7 +151,6 @@ def read(path: str | Path) -> Any:
         why = f"{type(e).__name__}: {said}" if said else type(e).__name__
         raise UserError(f"checkpoint {path}: not a readable checkpoint file (cut short, or not "
                         f"written by torch.save: {why})") from e
-    return state
 
 
 def check_layout(directory: Path) -> None:

@@ -62,16 +62,16 @@ class CheckpointManager:
         (`ckpt=`), or nothing (a fresh start)."""
         cfg = self.cfg
         io.check_layout(self.directory)  # before training, not at its first save
-        if dist.is_main():
-            io.remove_stale(self.directory)  # before any save: a killed run's partial ones
+        if dist.is_main():  # before any save: what a killed write left under a temporary name
+            for stale in self.directory.glob(".*.tmp"):
+                io.remove(stale)
+        found = None
         if cfg.resume == "auto":
-            path, state = layout.latest_valid(self.directory) or (None, None)
+            found = layout.latest_valid(self.directory)
         elif cfg.resume is not None:
-            path, state = Path(cfg.resume), layout.load(cfg.resume, resume=True)
-        else:
-            path, state = None, None
-        if path is not None:
-            self._resume(path, state)
+            found = Path(cfg.resume), layout.load(cfg.resume, resume=True)
+        if found is not None:
+            self._resume(*found)
         elif cfg.ckpt is not None:
             restore.load_model_weights(self.states["model"], layout.load(cfg.ckpt), cfg.ckpt,
                                        strict=cfg.ckpt_strict, fine_tuning=True)
@@ -103,7 +103,16 @@ class CheckpointManager:
             self.trackers.update({str(k): str(v) for k, v in trackers.items()})
         loop = state["loop"]
         log.info("resumed from %s at step %d (epoch %d)", path, loop["step"], loop["epoch"])
-        self._warn_if_the_schedule_changed(state)
+        # A resume continues the saved learning-rate schedule, made for the saved length: a
+        # longer run trains its extra steps at the schedule's end (0 for cosine).
+        saved = (state.get("config") or {}).get("trainer") or {}
+        changed = [f"trainer.{k}={getattr(self.cfg.trainer, k)} (saved: {saved[k]})"
+                   for k in ("max_epochs", "max_steps")
+                   if k in saved and saved[k] != getattr(self.cfg.trainer, k)]
+        if changed:
+            log.warning("resumed with %s: the learning-rate schedule goes on as it was saved, "
+                        "for the old length; to train further on a new schedule, start from "
+                        "this run's weights with run=RUN_DIR (docs/runs.md)", ", ".join(changed))
         if dist.is_main() and self.cfg.resume == "auto":  # (a checkpoint named by hand: as is)
             layout.repair_names(self.directory, path, state)
         self.resumed_from = path
@@ -126,19 +135,6 @@ class CheckpointManager:
                             f"({sharded.dcp_error(e)}); resume with the settings it was "
                             f"trained with") from e
         return sharded.join(state, tensors)
-
-    def _warn_if_the_schedule_changed(self, state: dict[str, Any]) -> None:
-        """A resume continues the saved learning-rate schedule, made for the saved length: a
-        longer run trains its extra steps at the schedule's end (0 for cosine)."""
-        saved = (state.get("config") or {}).get("trainer") or {}
-        now = self.cfg.trainer
-        changed = [f"trainer.{k}={getattr(now, k)} (saved: {saved[k]})"
-                   for k in ("max_epochs", "max_steps")
-                   if k in saved and saved[k] != getattr(now, k)]
-        if changed:
-            log.warning("resumed with %s: the learning-rate schedule goes on as it was saved, "
-                        "for the old length; to train further on a new schedule, start from "
-                        "this run's weights with run=RUN_DIR (docs/runs.md)", ", ".join(changed))
 
     def save(self, val_metrics: dict[str, float] | None, is_best: bool, last: bool) -> None:
         """Every rank calls it; rank 0 writes, or under fsdp every rank its shards. The `last`
