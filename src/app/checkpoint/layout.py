@@ -45,7 +45,6 @@ FORMAT_VERSION = 1  # raise it when the layout changes, and read the older ones 
 # What a resume reads besides the weights, and the type each entry must have.
 RESUME_ENTRIES = {"optimizer": dict, "scheduler": dict, "loop": dict, "rng": list,
                   "best": (float, int, type(None))}
-LOOP_COUNTERS = ("step", "epoch", "batch")
 
 
 class TrainedAt(NamedTuple):
@@ -132,7 +131,7 @@ def check(state: Any, path: Path, resume: bool = False) -> None:
                             f"checkpoint")
     loop = state.get("loop")
     if loop is not None:
-        for key in LOOP_COUNTERS if resume else ("step", "epoch"):
+        for key in ("step", "epoch", "batch") if resume else ("step", "epoch"):
             if not isinstance(loop.get(key) if isinstance(loop, dict) else None, int):
                 raise UserError(
                     f"checkpoint {path}: 'loop' has no {key!r} count"

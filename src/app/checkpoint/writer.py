@@ -69,7 +69,7 @@ class BackgroundWrites:
 class CheckpointWriter(BackgroundWrites):
     def __init__(self, background: bool = True) -> None:
         super().__init__(background)
-        self._buffers: list[torch.Tensor | None] = []
+        self._buffers: list[torch.Tensor] = []
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._copied = threading.Event()
         self._copied.set()
@@ -114,7 +114,13 @@ class CheckpointWriter(BackgroundWrites):
 
     def _copy(self, obj: Any, index: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            buffer = self._buffer(next(index), obj)
+            # The i-th host buffer, reused when its shape and dtype still fit.
+            i, cuda = next(index), obj.device.type == "cuda"
+            buffer = self._buffers[i] if i < len(self._buffers) else None
+            if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
+                buffer = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=cuda)
+                self._buffers[i:i + 1] = [buffer]  # (replaced, or appended: i == len)
+            self._from_cuda |= cuda
             if obj.device.type == "cpu" and obj.data_ptr() in self._defer:
                 self._deferred.append((buffer, obj.detach()))
             else:
@@ -125,14 +131,3 @@ class CheckpointWriter(BackgroundWrites):
         if isinstance(obj, (list, tuple)):
             return type(obj)(self._copy(v, index) for v in obj)
         return obj  # numbers, strings, None: immutable
-
-    def _buffer(self, i: int, like: torch.Tensor) -> torch.Tensor:
-        """The i-th host buffer, reused when its shape and dtype still fit."""
-        self._from_cuda |= like.device.type == "cuda"
-        if i == len(self._buffers):
-            self._buffers.append(None)
-        buffer = self._buffers[i]
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = self._buffers[i] = torch.empty(like.shape, dtype=like.dtype, device="cpu",
-                                                    pin_memory=like.device.type == "cuda")
-        return buffer
