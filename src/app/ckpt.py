@@ -6,13 +6,10 @@ kept; the tensors are read whole, in this one process."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 from app.errors import UserError
-
-log = logging.getLogger("app.ckpt")
 
 
 def convert(source: Path, target: Path) -> str:
@@ -25,17 +22,17 @@ def convert(source: Path, target: Path) -> str:
     if sharded.is_sharded(source):
         io.save(state, target)
         return f"{source} (sharded) -> {target} (one file)"
-    names = state.get("param_names")
-    dropped = ""
-    if "optimizer" in state and names is None:
+    names, dropped = state.get("param_names"), ""
+    if "optimizer" in state and names is not None:
+        state["optimizer"] = sharded.optimizer_by_names(state["optimizer"], names)
+    elif "optimizer" in state:
         # (A file written before checkpoints named their parameters: the optimizer's state
         # is numbered, and only the model that wrote it could name the numbers.)
-        state = {k: v for k, v in state.items() if k != "optimizer"}
+        del state["optimizer"]
         dropped = ("; without the optimizer's state, which this older file does not name "
                    "(use it as ckpt=: weights for a new schedule, evaluation, export)")
-    tensors, meta = sharded.split(state, names)
     writer = sharded.ShardedWriter(background=False, is_main=True)
-    writer.save(tensors, meta, target, then=lambda: None)
+    writer.save(*sharded.split(state), target, then=lambda: None)
     return f"{source} (one file) -> {target} (sharded){dropped}"
 
 

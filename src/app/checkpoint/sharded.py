@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import importlib
-import logging
 import pickle
 import shutil
 import warnings
@@ -37,8 +36,6 @@ from app.checkpoint import io
 from app.checkpoint.writer import BackgroundWrites
 from app.errors import UserError, one_line
 from app.files import sync_dir
-
-log = logging.getLogger(__name__)
 
 # DCP warns at each save of one process without a process group (a run on one rank, `app.ckpt
 # convert`) that it assumes it saves alone, as it does; also from async_save's thread.
@@ -239,14 +236,11 @@ def read_full(path: Path) -> dict[str, Any]:
     return state
 
 
-def split(state: dict[str, Any], param_names: list[str] | None = None) -> tuple[dict, dict]:
-    """A state of the single-file layout in the sharded one: (tensors, meta). Its optimizer
-    state is keyed by name already, or numbered and named by `param_names`."""
+def split(state: dict[str, Any]) -> tuple[dict, dict]:
+    """A state of the single-file layout, its optimizer's keyed by parameter name, in the
+    sharded one: (tensors, meta)."""
     meta = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
-    tensors: dict[str, Any] = {"model": state["model"]}
-    if "optimizer" in state:
-        tensors["optimizer"] = state["optimizer"] if param_names is None else \
-            optimizer_by_names(state["optimizer"], param_names)
+    tensors = {k: state[k] for k in ("model", "optimizer") if k in state}
     train_step = dict(state.get("train_step") or {})
     if train_step.get("ema"):
         tensors["ema"] = train_step["ema"]["module"]
