@@ -204,7 +204,8 @@ def dcp_error(e: BaseException) -> str:
     return io.reason(e) or one_line(e)
 
 
-def optimizer_by_names(state: dict[str, Any], names: Any) -> dict[str, Any]:
+def optimizer_by_names(state: dict[str, Any], names: list[str] | dict[str, int]
+                       ) -> dict[str, Any]:
     """An optimizer state numbered as `Optimizer.state_dict()` numbers it, keyed by `names`
     (the parameters' names in the optimizer's order); `optimizer_by_ids`: back."""
     return {"state": {names[i]: s for i, s in state["state"].items()},
