@@ -336,6 +336,25 @@ def test_a_sigterm_after_the_run_completed_leaves_it_completed(tmp_path, devices
     assert "SIGTERM arrived after the run had completed: nothing was stopped" in output
 
 
+def test_a_sigterm_to_the_process_group_after_the_run_completed_leaves_it_completed(
+        tmp_path) -> None:
+    """The worker server dies of it, and the workers' exit codes with it: the result rank 0
+    sent says the run completed all the same."""
+    run_dir, marker = tmp_path / "run", tmp_path / "lingering"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "devices=2",
+         "trainer.max_epochs=1", "+callbacks.linger._target_=linger.LingerAtExit",
+         f"+callbacks.linger.marker={marker}", "+callbacks.linger.seconds=3"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, "PYTHONPATH": str(HELPERS)})
+    while proc.poll() is None and not marker.is_file():
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "completed"
+
+
 FINALIZING = """
 import sys, time
 from app.signals import stop_signals_stop_nothing

@@ -106,8 +106,8 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
                                      _server() if method == "forkserver" else None)
         ended = ends.read(run_dir, started, range(base_rank, base_rank + devices))
         # The first worker sends its result after the last collective: the run has completed,
-        # even if a signal reached a worker as it was exiting.
-        if not server_died and not ended and results.poll():
+        # even if a signal reached a worker (or ended the worker server) as it was exiting.
+        if not ended and results.poll():
             with contextlib.suppress(EOFError):  # (EOF: none was sent)
                 value, completed = results.recv(), True
     if not completed:
