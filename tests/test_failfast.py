@@ -264,6 +264,27 @@ def test_sigterm_before_training_records_the_run_as_interrupted(tmp_path) -> Non
     assert load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"] == 2
 
 
+def test_ctrl_c_before_the_workers_train_says_that_nothing_was_saved(tmp_path) -> None:
+    """A terminal's Ctrl-C reaches every process of the job: the workers, still building their
+    data, stop with nothing to save, and the line says so (it said "the workers saved a
+    checkpoint")."""
+    run_dir, marker = tmp_path / "run", tmp_path / "building"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "devices=2",
+         "data._target_=faults.SlowDigits", "+data.setup_s=60", f"+data.marker={marker}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, "PYTHONPATH": str(HELPERS)})
+    while proc.poll() is None and not marker.is_file():
+        time.sleep(0.05)
+    time.sleep(0.5)  # (both workers build)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "stopped by SIGINT, but no checkpoint was saved at the stop (the workers had not " \
+           "begun training); there is no checkpoint yet" in output, output[-3000:]
+    assert "Traceback" not in output and not (run_dir / "checkpoints").exists()
+
+
 def _stop_with_rank_1_stopped(run_dir: Path, *overrides: str) -> tuple[int, str, list[Path]]:
     """SIGSTOP rank 1, then SIGTERM the launcher: its exit code and output, and the
     checkpoints there were before."""

@@ -132,7 +132,9 @@ def _outcome(cfg: AppConfig, run_dir: Path, procs: list, received: list[int], ki
     stall = cause is not None and cause["status"] == ends.STALLED
     stopped = sorted((e for e in ended.values() if e["status"] == ends.STOPPED),
                      key=lambda e: e["rank"])
-    saved = len(stopped) == len(procs) and not killed  # every rank saved and stopped
+    # (A rank stopped before its loop, by Ctrl-C as it started, has no step to name.)
+    steps = [m[1] for e in stopped if (m := re.search(r"at step (\d+)", e["error"]))]
+    saved = len(steps) == len(procs) and not killed  # every rank saved and stopped
     if server_died and not received:  # (a signal to the process group ends the server too)
         return WorkerFailed(f"the worker server (forkserver) ended under the workers: they were "
                             f"stopped; {last}")
@@ -140,14 +142,13 @@ def _outcome(cfg: AppConfig, run_dir: Path, procs: list, received: list[int], ki
         sig = signal.Signals(received[0] if received else stopped[0]["exit_code"] - 128)
         said = f"stopped by {sig.name}{'' if received else ' sent to a worker'}"
         if saved:
-            step = re.search(r"at step (\d+)", stopped[0]["error"])
-            return Interrupted(f"{said}; the workers saved a checkpoint"
-                               f"{f' at step {step[1]}' if step else ''}: {resume_hint(run_dir)}",
-                               sig)
+            return Interrupted(f"{said}; the workers saved a checkpoint at step {steps[0]}: "
+                               f"{resume_hint(run_dir)}", sig)
         if cfg.trainer.mode != Mode.trainval:
             return Interrupted(said, sig)
         why = cause["error"] if stall else f"rank(s) {stuck} did not stop and were killed" \
-            if killed else "not every rank reached the step they agreed to stop at"
+            if killed else "the workers had not begun training" if stopped and not steps \
+            else "not every rank reached the step they agreed to stop at"
         return Interrupted(f"{said}, but no checkpoint was saved at the stop ({why}); {last}", sig)
     # The cause: a stalled rank (the others ended because of it), a worker that died of a
     # signal we did not send, else the earliest failure.
