@@ -11,7 +11,7 @@ import pytest
 
 from app.errors import Interrupted
 from app.signals import held, hold_sigterm
-from conftest import run_job
+from conftest import make_config, run_job
 
 
 @pytest.fixture
@@ -79,3 +79,27 @@ def test_a_rank_that_left_its_loop_ignores_the_stop_its_launcher_passes_on(in_a_
             signal.signal(sig, handler)
         if in_a_job:
             tdist.destroy_process_group()
+
+
+def test_a_signal_that_ends_the_worker_server_as_the_workers_start_is_a_stop(
+        tmp_path, monkeypatch) -> None:
+    """A SIGTERM to the process group as the workers start ends the worker server too, and the
+    start fails on its socket (EOFError): that is the stop, in one line (it was a traceback
+    and a run recorded as failed)."""
+    import torch.multiprocessing
+
+    from app.launch import spawn
+    from app.launch.plan import How, Plan
+
+    def start_processes(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # (handled before kill returns)
+        raise EOFError("unexpected EOF")
+
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", start_processes)
+    cfg = make_config("devices=2", "distributed.start_method=spawn")  # (no server to start)
+    with pytest.raises(Interrupted) as stopped:
+        spawn.spawn(cfg, tmp_path, Plan(How.spawn, "cpu", "gloo", devices=2,
+                                        url="tcp://127.0.0.1:1"))
+    assert stopped.value.signum == signal.SIGTERM
+    assert str(stopped.value) == ("stopped by SIGTERM as the workers started: there is no "
+                                  "checkpoint yet")

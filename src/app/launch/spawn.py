@@ -97,9 +97,15 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
     with keep_open, results, signals.caught(lambda sig, frame: received.append(sig)):
         if (held := signals.held()) is not None:  # (a job's task, before this)
             received.append(held)
-        procs = torch.multiprocessing.start_processes(
-            spawned_worker, (cfg, run_dir, plan, launcher_alive, result_sent), devices,
-            join=False, start_method=method).processes
+        try:
+            procs = torch.multiprocessing.start_processes(
+                spawned_worker, (cfg, run_dir, plan, launcher_alive, result_sent), devices,
+                join=False, start_method=method).processes
+        except (EOFError, OSError) as e:  # (a signal to the process group ends the server too)
+            if not received:
+                raise
+            raise Interrupted(f"stopped by {signal.Signals(received[0]).name} as the workers "
+                              f"started: there is no checkpoint yet", received[0]) from e
         launcher_alive.close()
         result_sent.close()
         killed, server_died = _watch(cfg, procs, received,
