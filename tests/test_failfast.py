@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from app.errors import WorkerFailed
+from app.launch import ends
 from conftest import (
     HELPERS,
     REPO,
@@ -283,6 +284,27 @@ def test_ctrl_c_before_the_workers_train_says_that_nothing_was_saved(tmp_path) -
     assert "stopped by SIGINT, but no checkpoint was saved at the stop (the workers had not " \
            "begun training); there is no checkpoint yet" in output, output[-3000:]
     assert "Traceback" not in output and not (run_dir / "checkpoints").exists()
+
+
+def test_sigterm_to_torchrun_ranks_before_training_records_the_run_as_interrupted(
+        tmp_path) -> None:
+    """torchrun's agent passes the SIGTERM it gets on to its ranks: one still building its data
+    ends as a process of its own would, with the run's record (it died of the signal, and the
+    run had no result.json). What torchrun itself prints and returns is its own."""
+    run_dir, marker = tmp_path / "run", tmp_path / "building"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "data._target_=faults.SlowDigits",
+         "+data.setup_s=60", f"+data.marker={marker}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, "PYTHONPATH": str(HELPERS)})
+    while proc.poll() is None and not marker.is_file():
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=90)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "interrupted", output[-3000:]
+    assert {e["status"] for e in ends.read(run_dir, 0).values()} == {ends.STOPPED}, output[-3000:]
 
 
 def _stop_with_rank_1_stopped(run_dir: Path, *overrides: str) -> tuple[int, str, list[Path]]:

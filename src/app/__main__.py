@@ -56,9 +56,10 @@ def main(dict_cfg: DictConfig) -> float | None:
     started = time.monotonic()
     env = this_process()
     # SIGTERM before the loop or the launcher of the workers takes it (they stop at a step
-    # with a checkpoint): ended as Ctrl-C is, with the run's record and its lock released.
-    # (Not in a job of a job system: app.signals.hold_sigterm.)
-    if not env.is_rank and "SUBMITIT_EXECUTOR" not in os.environ:
+    # with a checkpoint): ended as Ctrl-C is, with the run's record and its lock released; in
+    # a rank of torchrun, srun or MPI too (their launchers pass it on to every rank).
+    # (Not in a job of submitit, which ignores it: app.signals.hold_sigterm.)
+    if "SUBMITIT_EXECUTOR" not in os.environ:
         raise_on_sigterm()
     # One process owns the run, holds its lock and records how it ended: machine 0's launcher
     # (the other machines of a nodes=N run share its directory), or rank 0 of a
