@@ -13,7 +13,6 @@ validation one). The share is val_fraction on average, not exactly.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 from pathlib import Path
 
@@ -23,8 +22,6 @@ from app.data import transforms
 from app.data.base import IMAGE_SUFFIXES, is_image_name, split
 from app.data.images import ImageData, ImageSet
 from app.errors import UserError
-
-log = logging.getLogger(__name__)
 
 VAL_FOLDERS = ("val", "valid", "validation", "test")  # beside train/, looked for in this order
 Files = tuple[list[Path], list[int]]

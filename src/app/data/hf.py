@@ -10,7 +10,6 @@ extra: `pip install datasets`). Never a download: `path` is a folder on disk, ei
 from __future__ import annotations
 
 import io
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,6 @@ from app.data import transforms
 from app.data.base import split
 from app.data.images import ImageData, ImageSet
 from app.errors import BadImage, UserError, first_line
-
-log = logging.getLogger(__name__)
 
 VAL_SPLITS = ("validation", "valid", "val", "test")  # looked for, in this order
 
@@ -117,19 +114,14 @@ class HFImages(ImageData):
         classes, to_label = _classes(train.features[label_column], train[label_column],
                                      label_column)
         if val_split is None:  # the first named like a validation split that has labels
-            val_split = next((s for s in VAL_SPLITS if s in splits
-                              and not _unlabelled(splits[s][label_column])), None)
+            # (every label -1, the Hub's convention for a test split, or missing: none)
+            val_split = next((s for s in VAL_SPLITS if s in splits and not all(
+                v is None or v == -1 for v in splits[s][label_column])), None)
         train, val = (None if name is None else HFRows(splits[name], image_column, _labels(
             splits[name][label_column], to_label, name, label_column), self.mode)
             for name in (train_split, val_split))
         self.use(classes, train, val, f"data.path={self.path}", lambda rows: [
             indices.tolist() for indices in split(len(rows), val_fraction, self.split_seed)])
-
-
-def _unlabelled(values: list[Any]) -> bool:
-    """A split without labels: every value -1 (the Hub's convention for a test split) or
-    missing."""
-    return all(v is None or v == -1 for v in values)
 
 
 def _labels(values: list[Any], to_label: Any, split_name: str, column: str) -> list[int]:
