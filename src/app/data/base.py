@@ -100,8 +100,7 @@ class DataModule:
 
 def first_samples(dataset: Dataset, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `count` samples of any map-style data set of `(input, target)`, batched."""
-    inputs, targets = next(iter(DataLoader(dataset, batch_size=count)))
-    return inputs, targets
+    return tuple(next(iter(DataLoader(dataset, batch_size=count))))
 
 
 def _shared(dataset: Dataset) -> Dataset:

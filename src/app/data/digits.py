@@ -37,19 +37,13 @@ class ShiftedImages(Augmented):
         return padded[:, s + dy:s + dy + h, s + dx:s + dx + w], self.labels[index]
 
 
-def _digits_file() -> Path | None:
-    # find_spec locates scikit-learn without importing it (a slow import: docs/measurements.md).
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations)), "datasets", "data", "digits.csv.gz")
-    return path if path.is_file() else None
-
-
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """The 1,797 8x8 digits of scikit-learn as (images in [0, 1], labels)."""
-    path = _digits_file()
-    if path is not None:
+    # find_spec locates scikit-learn without importing it (a slow import: docs/measurements.md).
+    spec = importlib.util.find_spec("sklearn")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    path = Path(folders[0], "datasets", "data", "digits.csv.gz") if folders else None
+    if path is not None and path.is_file():
         table = np.loadtxt(path, delimiter=",", dtype=np.float32)
         images, labels = table[:, :-1], table[:, -1].astype(np.int64)
     else:  # a scikit-learn that stores the file elsewhere: use its public loader

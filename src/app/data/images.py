@@ -57,8 +57,7 @@ class ImageSet(Augmented):
         super().__init__()
         self.labels = [int(label) for label in labels]  # (an int a sample: cheaper to batch)
         self.mode = mode
-        self.decoded: Decoded | None = None
-        self.view((0, 0), torch.zeros(2, 1), None)  # (ImageData sets them)
+        self.decoded: Decoded | None = None  # (the view: ImageData.use sets it)
 
     def view(self, size: tuple[int, int], stats: torch.Tensor,
              augment: dict[str, Any] | None) -> None:
@@ -135,7 +134,12 @@ class ImageData(DataModule):
         self.mode = "L" if channels == 1 else "RGB"
         self.input_shape = (channels, size[0], size[1])
         self.stats = torch.zeros(2, channels).share_memory_()  # mean, std per channel
-        self._given = None if mean is None else _given(mean, std, channels)
+        self._given = None
+        if mean is not None:
+            mean, std = numbers("data.mean", mean, channels), numbers("data.std", std, channels)
+            if min(std) <= 0:
+                raise UserError(f"data.std={std}: every value must be positive")
+            self._given = torch.tensor([mean, std], dtype=torch.float32)
         for key, value in (("data.augment", augment), ("data.flip", flip)):
             if not isinstance(value, bool):  # (Hydra passes `off` or `no` on as strings)
                 raise UserError(f"{key}={value}: expected true or false")
@@ -264,10 +268,3 @@ def _statistics(images: ImageSet, seed: int) -> torch.Tensor:
     std = (total[1] / count - mean * mean).clamp_min(0).sqrt()
     std[std < 1e-6] = 1.0  # a channel of one value everywhere: centred, not scaled
     return torch.stack([mean, std]).float()
-
-
-def _given(mean: Any, std: Any, channels: int) -> torch.Tensor:
-    mean, std = numbers("data.mean", mean, channels), numbers("data.std", std, channels)
-    if min(std) <= 0:
-        raise UserError(f"data.std={std}: every value must be positive")
-    return torch.tensor([mean, std], dtype=torch.float32)

@@ -71,19 +71,17 @@ def random_resized_crop(image: Image.Image, size: tuple[int, int], scale: tuple[
     left-right with probability 1/2 when `flip`: the augmentation of ImageNet training."""
     height, width = size
     area = image.width * image.height
-    box = None
     for _ in range(10):
         target = area * rng.uniform(*scale)
         ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
         w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
         if 0 < w <= image.width and 0 < h <= image.height:
             left, top = rng.randint(0, image.width - w), rng.randint(0, image.height - h)
-            box = (left, top, left + w, top + h)
+            out = image.resize((width, height), Image.Resampling.BILINEAR,
+                               box=(left, top, left + w, top + h))
             break
-    if box is None:
-        out = resize_and_crop(image, size)
     else:
-        out = image.resize((width, height), Image.Resampling.BILINEAR, box=box)
+        out = resize_and_crop(image, size)
     if flip and rng.random() < 0.5:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return out
