@@ -3,7 +3,6 @@ unconditionally, so it never branches on "am I distributed"."""
 
 from __future__ import annotations
 
-import functools
 import inspect
 import ipaddress
 import logging
@@ -28,19 +27,13 @@ _local_group: Any = None
 _control_group: Any = None
 
 
-@functools.cache
-def _ddp_takes(keyword: str) -> bool:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return keyword in inspect.signature(DistributedDataParallel.__init__).parameters
-
-
 def ddp_buffer_sync(sync: bool) -> dict[str, bool]:
     """DDP's keyword for copying rank 0's buffers before each forward: torch 2.13 renamed
     `broadcast_buffers` to `forward_sync_buffers` and warns whenever the old one is passed.
     (The new one also syncs once at construction: the same buffers anyway, from one seed.)"""
-    keyword = "forward_sync_buffers" if _ddp_takes("forward_sync_buffers") else "broadcast_buffers"
-    return {keyword: sync}
+    new = "forward_sync_buffers"
+    takes = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    return {new if new in takes else "broadcast_buffers": sync}
 
 
 def check_host(url: str) -> None:

@@ -67,9 +67,7 @@ def first_host(nodelist: str) -> str:
     if not match:
         raise UserError(f"SLURM_JOB_NODELIST={nodelist!r}: cannot read its first host")
     prefix, ranges = match.groups()
-    if ranges is None:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    return prefix + (ranges or "").split(",")[0].split("-")[0]
 
 
 def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int | None:

@@ -70,8 +70,6 @@ def appending(path: Path) -> Iterator:
         with open(path, "a", newline="") as f:
             yield f
     except OSError as e:
-        try:
+        with suppress(OSError):  # (nothing more to do: a reader drops a partial last line)
             os.truncate(path, size)
-        except OSError:
-            pass  # (nothing more to do: a reader drops a partial last line)
         raise write_failed(path, e) from e

@@ -12,6 +12,7 @@ next sync point (an asynchronous handle's `wait()`, `.item()`, `bool(tensor)`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -47,12 +48,8 @@ def _inside_of(phase: str) -> Iterator[None]:
         _inside[phase] -= 1
 
 
-def busy() -> contextlib.AbstractContextManager[None]:
-    return _inside_of("busy")
-
-
-def waiting() -> contextlib.AbstractContextManager[None]:
-    return _inside_of("waiting")
+busy = functools.partial(_inside_of, "busy")
+waiting = functools.partial(_inside_of, "waiting")
 
 
 def in_wait() -> bool:
