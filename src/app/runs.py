@@ -32,35 +32,20 @@ from app.sweeps.summary import job_summary, overrides_of
 SKIP = {".code", ".submitit", "checkpoints", "logs", "plots", ".hydra", "export"}
 
 
-def find_runs(root: Path) -> list[Path]:
-    """Run directories under `root` (itself included), without descending into a run's own
-    folders or a sweep's code snapshot."""
-    found = []
-    for folder, subfolders, _ in os.walk(root, followlinks=True):
-        if (Path(folder) / ".hydra" / "config.yaml").is_file():
-            found.append(Path(folder))
-        subfolders[:] = [name for name in subfolders if name not in SKIP]
-    return found
-
-
 def describe(run: Path) -> dict[str, Any]:
     summary = job_summary(run)
     saved = run / ".hydra" / "config.yaml"
     config = OmegaConf.load(saved)
-    return {**summary, "run": run, "config": config, "choices": _choices(run),
+    try:  # the run's option of each config group (Hydra's runtime.choices)
+        hydra = OmegaConf.load(run / ".hydra" / "hydra.yaml")
+    except (OSError, ValueError):
+        hydra = OmegaConf.create()
+    choices = OmegaConf.select(hydra, "hydra.runtime.choices", default=None)
+    return {**summary, "run": run, "config": config,
+            "choices": dict(OmegaConf.to_container(choices)) if choices is not None else {},
             "mode": OmegaConf.select(config, "trainer.mode", default="?"),
             "started": saved.stat().st_mtime,  # (Hydra writes the config first)
             "command": " ".join(overrides_of(run))}
-
-
-def _choices(run: Path) -> dict[str, Any]:
-    """The run's option of each config group (Hydra's runtime.choices)."""
-    try:
-        hydra = OmegaConf.load(run / ".hydra" / "hydra.yaml")
-    except (OSError, ValueError):
-        return {}
-    choices = OmegaConf.select(hydra, "hydra.runtime.choices", default=None)
-    return dict(OmegaConf.to_container(choices)) if choices is not None else {}
 
 
 _MISSING = object()
@@ -128,12 +113,14 @@ def cmd_ls(root: Path, wanted: list[str], status: str | None) -> int:
     if not root.is_dir():
         print(f"error: {root}: no such folder", file=sys.stderr)
         return 2
-    every = []
-    for run in find_runs(root):
-        try:
-            every.append(describe(run))
-        except Exception as e:  # (one broken run folder must not hide the others)
-            print(f"warning: {run}: skipped: {_unreadable(e)}", file=sys.stderr)
+    every = []  # the runs under root (itself included)
+    for folder, subfolders, _ in os.walk(root, followlinks=True):
+        subfolders[:] = [name for name in subfolders if name not in SKIP]
+        if (Path(folder) / ".hydra" / "config.yaml").is_file():
+            try:
+                every.append(describe(Path(folder)))
+            except Exception as e:  # (one broken run folder must not hide the others)
+                print(f"warning: {folder}: skipped: {_unreadable(e)}", file=sys.stderr)
     runs = [r for r in every if matches(r, wanted) and (status is None or
                                                         r["status"].startswith(status))]
     if not runs:
@@ -153,19 +140,6 @@ def cmd_ls(root: Path, wanted: list[str], status: str | None) -> int:
     print(table(rows))
     print(f"{len(runs)} run(s)")
     return 0
-
-
-def defaults() -> DictConfig:
-    """The config `python -m app` composes with no override."""
-    from hydra import compose, initialize_config_dir
-
-    from app.conf_dir import config_dir
-    from app.config import register_schemas
-
-    register_schemas()  # (no resolver: the config is compared unresolved)
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        composed = compose("config")
-    return OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
 
 
 def differences(a: DictConfig, b: DictConfig) -> list[tuple[str, Any, Any]]:
@@ -192,6 +166,11 @@ def _described(path: Path) -> dict[str, Any] | None:
 
 
 def cmd_show(run: Path) -> int:
+    from hydra import compose, initialize_config_dir
+
+    from app.conf_dir import config_dir
+    from app.config import register_schemas
+
     r = _described(run)
     if r is None:
         return 2
@@ -200,7 +179,10 @@ def cmd_show(run: Path) -> int:
     print(f"mode: {r['mode']}; best {r['monitor']}: {_number(r['best'])}; steps: "
           f"{_number(r['steps'])}; wall_s: {_number(r['wall_s'], 1)}")
     print(f"overrides: {r['command'] or '(none)'}")
-    changed = differences(defaults(), r["config"])
+    register_schemas()  # (no resolver: the config is compared unresolved)
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        defaults = compose("config")  # as `python -m app` composes it (its hydra node left out)
+    changed = differences(defaults, r["config"])
     print("differs from the defaults:" + ("" if changed else " nothing"))
     for key, default, value in changed:
         print(f"  {key}: {value} (default: {default})")
@@ -228,17 +210,13 @@ def cmd_diff(a: Path, b: Path) -> int:
     digits = {"status": 0, "best": 4, "steps": 0, "wall_s": 1}
     print("\n" + table([["", "A", "B"]] + [[k, _number(ra[k], d), _number(rb[k], d)]
                                            for k, d in digits.items()]))
-    print("\n" + table(_side_by_side(a, b)))
-    return 0
-
-
-def _side_by_side(a: Path, b: Path) -> list[list[str]]:
-    """Each validation of either run, by step: loss and accuracy of A and of B."""
+    # Each validation of either run, by step: loss and accuracy of A and of B.
     va, vb = ({int(r["step"]): r for r in read_metrics(run) if r["split"] == "val"}
               for run in (a, b))
-    return [["step", "A val loss", "A val acc", "B val loss", "B val acc"]] + [
+    print("\n" + table([["step", "A val loss", "A val acc", "B val loss", "B val acc"]] + [
         [str(step)] + [_number(rows.get(step, {}).get(k)) for rows in (va, vb)
-                       for k in ("loss", "acc")] for step in sorted(set(va) | set(vb))]
+                       for k in ("loss", "acc")] for step in sorted(set(va) | set(vb))]))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ls = commands.add_parser("ls", help="the runs under a folder")
     ls.add_argument("filters", nargs="*", help="DIR first (default outputs), then KEY=VALUE")
     ls.add_argument("--status", help="completed, failed, interrupted, running ...")
-    show = commands.add_parser("show", help="one run")
-    show.add_argument("run", type=folder_arg)
+    commands.add_parser("show", help="one run").add_argument("run", type=folder_arg)
     diff = commands.add_parser("diff", help="two runs")
     diff.add_argument("run_a", type=folder_arg)
     diff.add_argument("run_b", type=folder_arg)
