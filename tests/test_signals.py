@@ -103,3 +103,17 @@ def test_a_signal_that_ends_the_worker_server_as_the_workers_start_is_a_stop(
     assert stopped.value.signum == signal.SIGTERM
     assert str(stopped.value) == ("stopped by SIGTERM as the workers started: there is no "
                                   "checkpoint yet")
+
+
+def test_a_stop_signal_in_a_deferred_block_comes_after_it() -> None:
+    """A Ctrl-C that cut the launcher's `import torch` short left torch half imported: the
+    signal was lost, or the process died of it (-2) after its line. Held for the import, it is
+    raised after it."""
+    from app.signals import deferred
+
+    went_on = False
+    with pytest.raises(KeyboardInterrupt):
+        with deferred():
+            os.kill(os.getpid(), signal.SIGINT)  # (handled before kill returns)
+            went_on = True
+    assert went_on

@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -57,6 +58,21 @@ def caught(handler: Any, signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[di
         yield previous
     finally:
         restore(previous)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """The stop signals held while the block runs, then delivered to the handlers it had: for
+    a long import (torch), which a KeyboardInterrupt cuts short with its modules half made,
+    and then the signal was lost, or later imports failed."""
+    got: list[int] = []
+    previous = install(lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        restore(previous)
+    if got:
+        os.kill(os.getpid(), got[0])  # (its handler runs before kill returns)
 
 
 def _raise_terminated(signum: int, frame: object) -> None:

@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from app import signals
 from app.config import AppConfig
 from app.env import ProcessEnv
 from app.errors import WorkerKilled
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 def launch(cfg: AppConfig, run_dir: Path, env: ProcessEnv) -> float | None:
     """Run the job as `plan()` decides; returns the monitored metric."""
+    with signals.deferred():  # (torch: imported here, and whole)
+        import app.launch.worker  # noqa: F401
     chosen = plan(cfg, env)
     if chosen.how is How.spawn:
         with stacks_on_signal(run_dir / "logs" / "launcher.stacks"):  # (kill -s RTMIN+4 PID)
