@@ -44,16 +44,6 @@ def progress(run_dir: Path) -> tuple[int, int] | None:
     return (int(found[-1][0]), int(found[-1][1])) if found else None
 
 
-def holder(run_dir: Path) -> int | None:
-    """The pid of a live process on this host that holds the run's lock (a local run)."""
-    try:
-        pid, host = (run_dir / LOCK_NAME).read_text().split()
-        os.kill(int(pid), 0)
-    except (OSError, ValueError):
-        return None
-    return int(pid) if host == os.uname().nodename else None
-
-
 def _where(run_dir: Path) -> str:
     done = progress(run_dir)
     return "" if done is None else f" at step {done[0]} of {done[1]}"
@@ -71,18 +61,6 @@ def checkpoint_step(run_dir: Path) -> int | None:
     return None
 
 
-def _again_from(run_dir: Path) -> str:
-    """Where a job that runs again starts: its last checkpoint's step (the steps logged after
-    it are trained again), else where its log ends."""
-    step = checkpoint_step(run_dir)
-    if step is None:
-        return _where(run_dir)
-    done = progress(run_dir)
-    logged = "" if done is None or done[0] == step else f", logged to step {done[0]}"
-    return f" from step {step}{'' if done is None else f' of {done[1]}'} (its last " \
-           f"checkpoint{logged})"
-
-
 def from_run_dir(run_dir: Path) -> tuple[str, str]:
     """(status, what to say) from what the run directory holds."""
     if not run_dir.is_dir():
@@ -96,9 +74,13 @@ def from_run_dir(run_dir: Path) -> tuple[str, str]:
         return status, f"completed: {best}step {summary['steps'] or 0}{again}"
     if status in ENDED_BADLY:
         return status, f"{status}{_where(run_dir)}: {summary['error'] or 'no error recorded'}"
-    pid = holder(run_dir)
-    if pid is not None:
-        return "running", f"running{_where(run_dir)} (pid {pid}){again}"
+    try:  # a live process on this host that holds the run's lock (a local run)
+        pid, host = (run_dir / LOCK_NAME).read_text().split()
+        os.kill(int(pid), 0)
+    except (OSError, ValueError):
+        host = None
+    if host == os.uname().nodename:
+        return "running", f"running{_where(run_dir)} (pid {int(pid)}){again}"
     if status == "no result" and not (run_dir / "train.log").exists():
         return "not started", "not started"
     return "ended", f"ended without a result{_where(run_dir)} (killed?)"
@@ -111,8 +93,15 @@ def from_slurm(job: slurm.Job, run_dir: Path, failure: str | None) -> tuple[str,
     if state == "PENDING":
         why = "held" if reason == "JobHeldUser" else f"PENDING: {reason}" if reason and \
             reason != "None" else "PENDING"
-        return "queued", (f"waiting to run again{_again_from(run_dir)} ({why}){again}"
-                          if job.restarts else f"queued ({why})")
+        if not job.restarts:
+            return "queued", f"queued ({why})"
+        # It starts again from its last checkpoint's step (the steps logged after it are
+        # trained again), else from where its log ends.
+        step, done = checkpoint_step(run_dir), progress(run_dir)
+        logged = "" if done is None or done[0] == step else f", logged to step {done[0]}"
+        start = _where(run_dir) if step is None else f" from step {step}" \
+            f"{'' if done is None else f' of {done[1]}'} (its last checkpoint{logged})"
+        return "queued", f"waiting to run again{start} ({why}){again}"
     if state in ("RUNNING", "COMPLETING", "CONFIGURING"):
         return "running", f"running on {job.nodes or '?'}{_where(run_dir)}{again}"
     if state in ("SUSPENDED", "PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
