@@ -24,31 +24,9 @@ TAKEN = ("model", "data", "precision")
 CHECKPOINTS = {"best": "best.pt", "last": "last.pt"}
 
 
-def given_keys(overrides: list[str]) -> set[str]:
-    """The config keys a command line sets: `model=mlp` -> model, `+data.x=1` -> data.x."""
-    keys = {override.split("=", 1)[0].lstrip("+~").split("@", 1)[0] for override in overrides}
-    return {key for key in keys if key and not key.startswith("hydra")}
-
-
 def _set(given: set[str], leaf: str) -> bool:
     """Whether the command line sets this leaf (itself, a part of it, or a node above it)."""
     return any(g == leaf or leaf.startswith(g + ".") or g.startswith(leaf + ".") for g in given)
-
-
-def saved_config(run: str) -> tuple[Path, DictConfig]:
-    path = Path(run).expanduser()
-    if path.is_file():
-        raise UserError(f"run={run}: a file, not a run directory (a checkpoint goes in ckpt=)")
-    if not path.is_dir():
-        raise UserError(f"run={run}: no such run directory")
-    saved = path / ".hydra" / "config.yaml"
-    if not saved.is_file():
-        raise UserError(f"run={run}: not a run directory (it has no .hydra/config.yaml)")
-    try:
-        return path, OmegaConf.load(saved)
-    except Exception as e:  # (YAML errors come in several types): one line
-        raise UserError(f"run={run}: its .hydra/config.yaml does not load: "
-                        f"{first_line(e)}") from None
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -82,8 +60,21 @@ def apply_run(composed: DictConfig, overrides: list[str]) -> DictConfig:
     if composed.get("resume") not in (None, "auto"):
         raise UserError(f"run={run} and resume={composed.get('resume')}: choose one (run= takes "
                         f"a run's weights for a new schedule, resume= continues a checkpoint)")
-    path, saved = saved_config(str(run))
-    given = given_keys(overrides)
+    path = Path(str(run)).expanduser()
+    if path.is_file():
+        raise UserError(f"run={run}: a file, not a run directory (a checkpoint goes in ckpt=)")
+    if not path.is_dir():
+        raise UserError(f"run={run}: no such run directory")
+    if not (path / ".hydra" / "config.yaml").is_file():
+        raise UserError(f"run={run}: not a run directory (it has no .hydra/config.yaml)")
+    try:
+        saved = OmegaConf.load(path / ".hydra" / "config.yaml")
+    except Exception as e:  # (YAML errors come in several types): one line
+        raise UserError(f"run={run}: its .hydra/config.yaml does not load: "
+                        f"{first_line(e)}") from None
+    # The config keys the command line sets: `model=mlp` -> model, `+data.x=1` -> data.x.
+    given = {o.split("=", 1)[0].lstrip("+~").split("@", 1)[0] for o in overrides}
+    given = {key for key in given if key and not key.startswith("hydra")}
     if ckpt is None:  # (ckpt=null on the command line: the run's own, as without it)
         given.discard("ckpt")
     composed = composed.copy()
