@@ -104,14 +104,13 @@ def _slurm(env: Mapping[str, str]) -> ProcessEnv | None:
     if "SLURM_PROCID" not in env or world is None or world <= 1:
         return None
     rank = int(env["SLURM_PROCID"])
-    job_id = _int(env, "SLURM_JOB_ID") or 0
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "127.0.0.1")
     tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", ""))
     local_world = _int({"n": re.split(r"[(,]", tasks_per_node)[0]}, "n") or world
     return ProcessEnv(Kind.slurm, rank, world, _int(env, "SLURM_LOCALID") or 0, local_world,
                       _int(env, "SLURM_NODEID", default=rank // local_world),
                       env.get("MASTER_ADDR") or first_host(nodelist),
-                      _int(env, "MASTER_PORT") or 15000 + job_id % 20000)
+                      _int(env, "MASTER_PORT") or 15000 + (_int(env, "SLURM_JOB_ID") or 0) % 20000)
 
 
 def _mpi(env: Mapping[str, str]) -> ProcessEnv | None:

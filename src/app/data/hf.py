@@ -73,9 +73,8 @@ def _load(path: Path, builder: str | None) -> Any:
         return datasets.load_dataset(builder, data_dir=str(path))
     except (FileNotFoundError, ValueError, ConnectionError, RuntimeError,
             datasets.exceptions.DatasetGenerationError) as e:
-        reason = first_line(e)
-        raise UserError(f"data.path={path}: not a data set datasets can read ({reason})"
-                        ) from None
+        raise UserError(f"data.path={path}: not a data set datasets can read "
+                        f"({first_line(e)})") from None
 
 
 class HFImages(ImageData):

@@ -50,8 +50,8 @@ class Decoded:
 
 
 class ImageSet(Augmented):
-    """Images with their labels, decoded when read (`load`, by the subclass), viewed as the
-    module's docstring says."""
+    """Images with their labels, decoded when read (`load`, by the subclass, which also takes
+    a `subset` of them), viewed as the module's docstring says."""
 
     def __init__(self, labels: list[int], mode: str) -> None:
         super().__init__()
@@ -65,12 +65,6 @@ class ImageSet(Augmented):
         the augmentation (None: the evaluation view)."""
         self.size, self.stats, self.augment = size, stats, augment
         self._mean, self._std = stats[0][:, None, None], stats[1][:, None, None]  # (views)
-
-    def load(self, index: int) -> Image.Image:
-        raise NotImplementedError
-
-    def subset(self, indices: list[int]) -> ImageSet:
-        raise NotImplementedError
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -144,7 +138,6 @@ class ImageData(DataModule):
             if not isinstance(value, bool):  # (Hydra passes `off` or `no` on as strings)
                 raise UserError(f"{key}={value}: expected true or false")
         self._augment = {"scale": tuple(scale), "flip": flip} if augment else None
-        self.classes: list[str] = []
         self._normalised = False  # by `prepare`, or by a checkpoint (`load_state_dict`)
 
     def use(self, classes: list[str], train: ImageSet, val: ImageSet | None, where: str,
@@ -257,13 +250,12 @@ def _statistics(images: ImageSet, seed: int) -> torch.Tensor:
     if len(images) > STATS_SAMPLES:
         chosen = sorted(random.Random(seed).sample(range(len(images)), STATS_SAMPLES))
     total = torch.zeros(2, images.stats.shape[1], dtype=torch.float64)
-    count = 0
     for index in chosen:  # (an unreadable image raises BadImage, naming it)
         x = transforms.to_tensor(transforms.resize_and_crop(images.image(index),
                                                             images.size)).double()
         total[0] += x.sum((1, 2))
         total[1] += (x * x).sum((1, 2))
-        count += x[0].numel()
+    count = len(chosen) * images.size[0] * images.size[1]  # (every view is that size)
     mean = total[0] / count
     std = (total[1] / count - mean * mean).clamp_min(0).sqrt()
     std[std < 1e-6] = 1.0  # a channel of one value everywhere: centred, not scaled

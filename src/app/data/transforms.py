@@ -30,8 +30,7 @@ def decode(path: Path | BinaryIO, mode: str, name: str | None = None) -> Image.I
         with Image.open(path) as image:
             return as_mode(ImageOps.exif_transpose(image), mode)
     except DECODE_ERRORS as e:
-        reason = first_line(e)
-        raise BadImage(f"{name or path} is not a readable image ({reason})") from None
+        raise BadImage(f"{name or path} is not a readable image ({first_line(e)})") from None
 
 
 def as_mode(image: Image.Image, mode: str) -> Image.Image:
