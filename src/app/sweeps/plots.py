@@ -50,14 +50,9 @@ def summary_figure(sweep_dir: Path, jobs: list[dict[str, Any]], monitor: str) ->
     bars.grid(axis="x", color="0.9")
     bars.set(ylim=(len(jobs) - 0.5, -0.5), axisbelow=True,  # the first job at the top
              title=f"Best {monitor} per job (red: not completed)", xlabel=f"best {monitor}")
-    if grid:
-        _heat(figure, axes[1], grid, jobs, monitor)
-    return figure
-
-
-def _heat(figure: Any, ax: Any, grid: tuple[str, str, list, list], jobs: list[dict[str, Any]],
-          monitor: str) -> None:
-    row_key, col_key, row_values, col_values = grid
+    if not grid:
+        return figure
+    ax, (row_key, col_key, row_values, col_values) = axes[1], grid
     cell = {(j["params"][row_key], j["params"][col_key]):
             (math.nan if j["best"] is None else j["best"], j["status"]) for j in jobs}
     # A cell without a job ("n/a"): two jobs of the same values took its place.
@@ -73,6 +68,7 @@ def _heat(figure: Any, ax: Any, grid: tuple[str, str, list, list], jobs: list[di
     ax.set_yticks(range(len(row_values)), [str(v) for v in row_values], fontsize=8)
     ax.set(title=f"Best {monitor}", xlabel=col_key, ylabel=row_key)
     figure.colorbar(image, ax=ax, label=f"best {monitor}")
+    return figure
 
 
 def draw_summary(sweep_dir: Path, jobs: list[dict[str, Any]], monitor: str) -> Path | None:
