@@ -60,17 +60,6 @@ def wall_time(run_dir: Path, last_wall_s: float | None) -> tuple[float | None, i
     return earlier + last_wall_s, len(spans)
 
 
-def steps_reached(run_dir: Path, logged: int, error: str | None) -> int | None:
-    """The furthest step a job is known to have reached: its last logged metrics, its newest
-    checkpoint, or the step its error names (a job can fail before it logs anything)."""
-    known = [logged] if logged else []
-    known += [int(p.stem.removeprefix("step-")) for p in (run_dir / "checkpoints").glob(
-        "step-*.pt") if p.stem.removeprefix("step-").isdigit()]
-    named = re.search(r"at step (\d+)", error or "")
-    known += [int(named[1])] if named else []
-    return max(known, default=None)
-
-
 def job_summary(run_dir: Path) -> dict[str, Any]:
     """Status, best and final value of the monitored metric (from the run's saved config:
     val/acc, max by default), steps reached, and wall time over every attempt of one run."""
@@ -83,13 +72,20 @@ def job_summary(run_dir: Path) -> dict[str, Any]:
     values = [v for v in values if not math.isnan(v)]
     result = read_result(run_dir)
     wall_s, num_attempts = wall_time(run_dir, result.get("wall_s"))
+    # The furthest step the job is known to have reached: its last logged metrics, its newest
+    # checkpoint, or the step its error names (a job can fail before it logs anything).
+    logged = max((int(r["step"]) for r in rows), default=0)
+    steps = [logged] if logged else []
+    steps += [int(p.stem.removeprefix("step-")) for p in (run_dir / "checkpoints").glob(
+        "step-*.pt") if p.stem.removeprefix("step-").isdigit()]
+    named = re.search(r"at step (\d+)", result.get("error") or "")
+    steps += [int(named[1])] if named else []
     return {
         "status": result.get("status") or ("running or killed" if rows else "no result"),
         "monitor": monitor,
         "best": (max if mode == "max" else min)(values) if values else None,
         "final": values[-1] if values else None,
-        "steps": steps_reached(run_dir, max((int(r["step"]) for r in rows), default=0),
-                               result.get("error")),
+        "steps": max(steps, default=None),
         "wall_s": wall_s,
         "attempts": num_attempts,
         "error": result.get("error"),
@@ -151,7 +147,7 @@ def write_summary(sweep_dir: Path, draw: bool = True) -> list[dict[str, Any]]:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         # Full precision in the CSV (it is for programs); 6 digits in the markdown table.
-        writer.writerows({c: "" if j[c] is None else j[c] for c in COLUMNS} for j in jobs)
+        writer.writerows(jobs)  # (None as an empty cell)
     monitor = jobs[0]["monitor"] if jobs else "val/acc"
     (sweep_dir / "summary.md").write_text(
         f"# Sweep {sweep_dir}\n\nSorted by best {monitor}.\n\n{markdown(jobs)}\n")
