@@ -45,8 +45,8 @@ def conflicts(overrides: dict[int, list[str]], run_dirs: dict[int, Path]) -> lis
         before, now = _by_key([str(o) for o in earlier]), _by_key(overrides[num])
         differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
         if differ:
-            was = " ".join(f"{k}={before[k]}" if k in before else f"(no {k})" for k in differ)
-            is_ = " ".join(f"{k}={now[k]}" if k in now else f"(no {k})" for k in differ)
+            was, is_ = (" ".join(f"{k}={d[k]}" if k in d else f"(no {k})" for k in differ)
+                        for d in (before, now))
             said.append(f"job #{num}: its run directory {run_dir} holds a job of {was}, "
                         f"this one is {is_}")
     return said
@@ -72,25 +72,6 @@ def basic_sweep_jobs(config: DictConfig) -> dict[int, list[str]] | None:
     return dict(enumerate(numbered(parsed)))
 
 
-def _run_dirs(config: DictConfig, jobs: dict[int, list[str]], sweep_dir: Path
-              ) -> dict[int, Path]:
-    """Each job's run directory. A subdir other than the job number (the job's overrides,
-    `${hydra.job.override_dirname}`, or anything else of its config) is each job's config
-    composed as the launcher will compose it: one compose a job, only for such a subdir."""
-    if OmegaConf.to_container(config.hydra.sweep)["subdir"] == "${hydra.job.num}":
-        return {num: sweep_dir / str(num) for num in jobs}
-    from hydra.core.global_hydra import GlobalHydra
-
-    loader = GlobalHydra.instance().config_loader()
-    dirs = {}
-    for num, overrides in jobs.items():
-        job = loader.load_sweep_config(config, list(overrides))
-        with open_dict(job.hydra.job):
-            job.hydra.job.num = job.hydra.job.id = num  # (as Hydra's basic launcher sets them)
-        dirs[num] = sweep_dir / str(job.hydra.sweep.subdir)
-    return dirs
-
-
 def refuse_other_values(config: DictConfig, log: Any) -> None:
     """At a basic sweep's start: exit 2, naming the jobs, if its directory holds a sweep of
     other values."""
@@ -98,7 +79,20 @@ def refuse_other_values(config: DictConfig, log: Any) -> None:
     if not jobs:
         return
     sweep_dir = Path(str(config.hydra.sweep.dir))
-    clashes = conflicts(jobs, _run_dirs(config, jobs, sweep_dir))
+    # Each job's run directory. A subdir other than the job number (the job's overrides,
+    # `${hydra.job.override_dirname}`, or anything else of its config) is each job's config
+    # composed as the launcher will compose it: one compose a job, only for such a subdir.
+    run_dirs = {num: sweep_dir / str(num) for num in jobs}
+    if OmegaConf.to_container(config.hydra.sweep)["subdir"] != "${hydra.job.num}":
+        from hydra.core.global_hydra import GlobalHydra
+
+        loader = GlobalHydra.instance().config_loader()
+        for num, overrides in jobs.items():
+            job = loader.load_sweep_config(config, list(overrides))
+            with open_dict(job.hydra.job):
+                job.hydra.job.num = job.hydra.job.id = num  # (as Hydra's basic launcher does)
+            run_dirs[num] = sweep_dir / str(job.hydra.sweep.subdir)
+    clashes = conflicts(jobs, run_dirs)
     if clashes:
         log.error("hydra.sweep.dir=%s was used by a sweep of other values: %s. Its run "
                   "directories would be resumed as these jobs'; give this sweep a new "
