@@ -64,13 +64,12 @@ def _load(path: Path, builder: str | None) -> Any:
     datasets = _datasets()
     if not path.exists():
         raise UserError(f"data.path={path}: no such file or folder")
-    saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
     try:
-        if saved and builder is None:
-            return datasets.load_from_disk(str(path))
-        if builder is None:
-            return datasets.load_dataset(str(path))
-        return datasets.load_dataset(builder, data_dir=str(path))
+        if builder is not None:
+            return datasets.load_dataset(builder, data_dir=str(path))
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+            return datasets.load_from_disk(str(path))  # (what save_to_disk wrote)
+        return datasets.load_dataset(str(path))
     except (FileNotFoundError, ValueError, ConnectionError, RuntimeError,
             datasets.exceptions.DatasetGenerationError) as e:
         raise UserError(f"data.path={path}: not a data set datasets can read "

@@ -45,9 +45,8 @@ def as_mode(image: Image.Image, mode: str) -> Image.Image:
         image = Image.fromarray(np.round(np.clip(values / top, 0, 1) * 255).astype(np.uint8))
     if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (
             image.mode in ("P", "L", "RGB") and "transparency" in image.info):
-        image = image.convert("RGBA")
         image = Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)),
-                                      image)
+                                      image.convert("RGBA"))
     return image.convert(mode)
 
 
