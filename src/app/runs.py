@@ -75,16 +75,6 @@ def matches(run: dict[str, Any], wanted: list[str]) -> bool:
                for key, _, value in (item.partition("=") for item in wanted))
 
 
-def _why_none(runs: list[dict[str, Any]], wanted: list[str], status: str | None) -> list[str]:
-    """What in the filters no run has: a misspelt key reads otherwise as "no such runs"."""
-    said = [f"{item.partition('=')[0]}: no run here has this key" for item in wanted
-            if all(value_of(r, item.partition("=")[0]) is _MISSING for r in runs)]
-    statuses = sorted({r["status"] for r in runs})
-    if status is not None and not any(s.startswith(status) for s in statuses):
-        said.append(f"--status {status}: the runs here are {', '.join(statuses)}")
-    return said
-
-
 def _order(run: dict[str, Any]) -> tuple:
     """Newest first; a sweep's jobs together, by number."""
     folder = run["run"]
@@ -125,8 +115,13 @@ def cmd_ls(root: Path, wanted: list[str], status: str | None) -> int:
                                                         r["status"].startswith(status))]
     if not runs:
         print(f"no runs under {root}" + (" that match" if wanted or status else ""))
-        for line in _why_none(every, wanted, status) if every else []:
-            print(f"  {line}")
+        # What in the filters no run has: a misspelt key reads otherwise as "no such runs".
+        for key in [item.partition("=")[0] for item in wanted] if every else []:
+            if all(value_of(r, key) is _MISSING for r in every):
+                print(f"  {key}: no run here has this key")
+        statuses = sorted({r["status"] for r in every})
+        if every and status is not None and not any(s.startswith(status) for s in statuses):
+            print(f"  --status {status}: the runs here are {', '.join(statuses)}")
         return 0
     runs.sort(key=_order)
     rows = [["run", "status", "mode", "best", "steps", "wall_s", "started", "command"]]
