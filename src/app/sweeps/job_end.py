@@ -57,14 +57,6 @@ def _signal_name(what: str) -> str:
     return f"exit code {number}"
 
 
-def last_line(trace: str) -> str:
-    """`RuntimeError: injected fault` from a traceback, without module paths."""
-    lines = [line.strip() for line in str(trace).strip().splitlines() if line.strip()]
-    line = lines[-1] if lines else "unknown error"
-    line = re.sub(r"^[\w.]+\.(\w+): ", r"\1: ", line)
-    return line.removeprefix(f"{JobFailed.__name__}: ")  # (its message is the job's error)
-
-
 def describe(job: Any, state: str, results: list[tuple[str, Any] | None]
              ) -> tuple[int | None, str, str]:
     """(the task that failed first or None, what happened, the log to read) for a job without
@@ -88,6 +80,9 @@ def describe(job: Any, state: str, results: list[tuple[str, Any] | None]
         how = ""
     else:
         task, how = (missing or [0])[0], "the task ended without a result"
-    if task in errors:
-        return task, last_line(errors[task]), str(job.task(task).paths.stderr)
+    if task in errors:  # `RuntimeError: injected fault` from its traceback, no module paths
+        lines = [line.strip() for line in str(errors[task]).strip().splitlines() if line.strip()]
+        line = re.sub(r"^[\w.]+\.(\w+): ", r"\1: ", lines[-1] if lines else "unknown error")
+        # (JobFailed's message is the job's error)
+        return task, line.removeprefix(f"{JobFailed.__name__}: "), str(job.task(task).paths.stderr)
     return task, how, str(batch_log)
