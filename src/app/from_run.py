@@ -42,7 +42,7 @@ def _checkpoint(path: Path, ckpt: str | None, run: str) -> str:
         if not is_checkpoint(chosen):
             raise UserError(f"run={run} ckpt={ckpt}: the run has no checkpoints/{chosen.name}")
         return str(chosen)
-    for name in ("best.pt", "last.pt"):
+    for name in CHECKPOINTS.values():  # (best.pt, then last.pt)
         if is_checkpoint(folder / name):
             return str(folder / name)
     raise UserError(f"run={run}: the run has no checkpoint (checkpoints/best.pt or last.pt)")

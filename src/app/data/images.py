@@ -217,8 +217,7 @@ class ImageData(DataModule):
                 f"the checkpoint was trained on {'x'.join(map(str, shape))} images, the data "
                 f"gives {'x'.join(map(str, self.input_shape))}: use data.channels={shape[0]} "
                 f"data.image_size=[{shape[1]},{shape[2]}]")
-        self.stats[0] = torch.tensor(state["mean"])
-        self.stats[1] = torch.tensor(state["std"])
+        self.stats[:] = torch.tensor([state["mean"], state["std"]])
         self._normalised = True
 
     def decode_file(self, path: Path) -> torch.Tensor:
