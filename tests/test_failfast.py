@@ -147,6 +147,13 @@ TRIALS = {
         act=_sigterm_to_the_group, saved=True, status="interrupted",
         said=("stopped by SIGTERM; the workers saved a checkpoint at step {step}",),
         not_said=("Traceback", "worker server")),
+    "SIGTERM to the process group with loader workers": Trial(
+        "the loader workers get it too (a closed session, Slurm's scancel), and ignore it as "
+        "PyTorch makes them ignore Ctrl-C: killed by it, they failed the stop's last batches",
+        (*TRAINING, "data.num_workers=1"), 128 + signal.SIGTERM, act=_sigterm_to_the_group,
+        saved=True, status="interrupted",
+        said=("stopped by SIGTERM; the workers saved a checkpoint at step {step}",),
+        not_said=("Traceback", "data loading failed")),
     "a killed worker server": Trial(
         "the forkserver killed under the workers ends them, said in one line (no exit codes)",
         TRAINING, 1, act=_kill_the_worker_server,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -64,7 +66,11 @@ class Loader(DataLoader):
 
     On Linux its workers end with the process that started them, at once (PR_SET_PDEATHSIG):
     PyTorch's check their parent every 5 s, and a worker left that long past a rank killed
-    outright wrote tracebacks on the terminal after the command had ended.
+    outright wrote tracebacks on the terminal after the command had ended. They ignore SIGTERM,
+    as PyTorch has them ignore Ctrl-C: a SIGTERM to the process group (a closed session,
+    Slurm's scancel) killed them, and the rank's stop at a step failed for want of batches. As
+    the process exits they are killed (multiprocessing's exit would wait for them after its
+    SIGTERM).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -83,11 +89,28 @@ class Loader(DataLoader):
         started = [p for p in multiprocessing.active_children() if p not in before]
         if started:  # (persistent workers start once)
             _WORKERS[batches] = started
+            global _kills_at_exit
+            if sys.platform.startswith("linux") and _kills_at_exit != os.getpid():
+                # (Before multiprocessing's exit terminates and joins its daemons.)
+                multiprocessing.util.Finalize(None, _kill_workers, exitpriority=100)
+                _kills_at_exit = os.getpid()
         return batches
+
+
+# The process whose exit kills its loader workers (a fork inherits this, not the registration).
+_kills_at_exit: int | None = None
+
+
+def _kill_workers() -> None:
+    for worker in (w for started in list(_WORKERS.values()) for w in started):
+        if worker.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signal.SIGKILL)
 
 
 def _end_with(parent: int, init: Callable[[int], Any] | None, worker_id: int) -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if os.getppid() != parent:  # (it ended before that was set)
         os._exit(1)
     if init is not None:
