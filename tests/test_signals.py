@@ -117,3 +117,17 @@ def test_a_stop_signal_in_a_deferred_block_comes_after_it() -> None:
             os.kill(os.getpid(), signal.SIGINT)  # (handled before kill returns)
             went_on = True
     assert went_on
+
+
+def test_ctrl_c_as_the_worker_server_starts_is_answered_after_it(monkeypatch) -> None:
+    """The server is started with Ctrl-C ignored (it imports torch before it sets handlers of
+    its own); the launcher's Ctrl-C in that moment was lost, and the run trained on."""
+    import multiprocessing.forkserver
+
+    from app.launch import spawn
+
+    monkeypatch.setattr(multiprocessing.forkserver, "ensure_running",
+                        lambda: os.kill(os.getpid(), signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        spawn.prestart(make_config("devices=2"))
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())

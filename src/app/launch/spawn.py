@@ -54,11 +54,15 @@ def prestart(cfg: AppConfig) -> None:
     before, tempfile.tempdir = tempfile.tempdir, mine
     try:
         multiprocessing.util.get_temp_dir()  # (kept by multiprocessing unless it has one)
-        # Ctrl-C ignored: the server imports torch before it sets its own handlers, and a
-        # Ctrl-C there printed a traceback. The launcher alone answers Ctrl-C.
+        # Ctrl-C ignored by the server, which imports torch before it sets its own handlers (a
+        # Ctrl-C there printed a traceback), and blocked meanwhile here, where it stays pending
+        # to be answered after (ignored, it was lost); its workers unblock it. The launcher
+        # alone answers Ctrl-C.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         with signals.caught(signal.SIG_IGN, (signal.SIGINT,)):
             multiprocessing.forkserver.ensure_running()
     finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         tempfile.tempdir = before
     if any(Path(mine).iterdir()):  # after multiprocessing's own clean-up (exitpriority -100)
         multiprocessing.util.Finalize(None, shutil.rmtree, (mine, True), exitpriority=-101)

@@ -114,7 +114,8 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
 def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, plan: Plan,
                    launcher_alive: Connection, results: Connection) -> None:
     """The target of each local worker process (torch.multiprocessing.start_processes)."""
-    signals.install(signal.default_int_handler, (signal.SIGINT,))  # (the server ignored it)
+    signals.install(signal.default_int_handler, (signal.SIGINT,))  # (the server ignored it,
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked: app.launch.spawn)
     # This rank's loader workers are forked, as its children: with the start method a
     # forkserver's child inherits they would be children of a forkserver of this rank, which a
     # rank killed outright leaves running, and PyTorch's loader workers end when their parent
