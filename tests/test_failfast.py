@@ -149,8 +149,10 @@ TRIALS = {
         not_said=("Traceback", "worker server")),
     "SIGTERM to the process group with loader workers": Trial(
         "the loader workers get it too (a closed session, Slurm's scancel), and ignore it as "
-        "PyTorch makes them ignore Ctrl-C: killed by it, they failed the stop's last batches",
-        (*TRAINING, "data.num_workers=1"), 128 + signal.SIGTERM, act=_sigterm_to_the_group,
+        "PyTorch makes them ignore Ctrl-C: killed by it, they failed the stop's last batches "
+        "(no validation: a worker starting has PyTorch's handler until it ignores it)",
+        (*TRAINING, "data.num_workers=1", "trainer.val_every_n_epochs=null"),
+        128 + signal.SIGTERM, act=_sigterm_to_the_group,
         saved=True, status="interrupted",
         said=("stopped by SIGTERM; the workers saved a checkpoint at step {step}",),
         not_said=("Traceback", "data loading failed")),
@@ -282,9 +284,9 @@ def test_ctrl_c_before_the_workers_train_says_that_nothing_was_saved(tmp_path) -
          "data._target_=faults.SlowDigits", "+data.setup_s=60", f"+data.marker={marker}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True, env={**os.environ, "PYTHONPATH": str(HELPERS)})
-    while proc.poll() is None and not marker.is_file():
+    while proc.poll() is None and not all(marker.with_suffix(f".rank{r}").is_file()
+                                          for r in (0, 1)):  # (both workers build)
         time.sleep(0.05)
-    time.sleep(0.5)  # (both workers build)
     os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
@@ -305,7 +307,8 @@ def test_sigterm_to_torchrun_ranks_before_training_records_the_run_as_interrupte
          "+data.setup_s=60", f"+data.marker={marker}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True, env={**os.environ, "PYTHONPATH": str(HELPERS)})
-    while proc.poll() is None and not marker.is_file():
+    while proc.poll() is None and not all(marker.with_suffix(f".rank{r}").is_file()
+                                          for r in (0, 1)):  # (both ranks build)
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=90)

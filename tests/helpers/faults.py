@@ -94,5 +94,7 @@ class SlowDigits(Digits):
 
     def __init__(self, setup_s: float, marker: str, **kwargs) -> None:
         open(marker, "w").close()
+        if "RANK" in os.environ:  # (a rank of several: MARKER.rankN too)
+            open(f"{marker}.rank{os.environ['RANK']}", "w").close()
         time.sleep(setup_s)
         super().__init__(**kwargs)

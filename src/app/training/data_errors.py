@@ -68,7 +68,8 @@ class Loader(DataLoader):
     PyTorch's check their parent every 5 s, and a worker left that long past a rank killed
     outright wrote tracebacks on the terminal after the command had ended. They ignore SIGTERM,
     as PyTorch has them ignore Ctrl-C: a SIGTERM to the process group (a closed session,
-    Slurm's scancel) killed them, and the rank's stop at a step failed for want of batches. As
+    Slurm's scancel) killed them, and the rank's stop at a step failed for want of batches
+    (PyTorch's own handler, set as a worker starts, still ends it in the moment before). As
     the process exits they are killed (multiprocessing's exit would wait for them after its
     SIGTERM).
     """
