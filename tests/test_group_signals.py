@@ -1,0 +1,80 @@
+"""A signal to every process of a job (a terminal's Ctrl-C, a closed session, `kill -- -PGID`,
+torchrun's agent passing its own on) at the moments a job is most fragile: as its ranks set up,
+and as they exit after the run completed. The ranks, their loader workers and the worker server
+all get it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from app.launch import ends
+from conftest import HELPERS, REPO, TINY
+
+
+def _in_a_group_of_its_own(*command: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True, env={**os.environ, "PYTHONPATH": str(HELPERS)})
+
+
+def _when_both_ranks_build(proc: subprocess.Popen, marker: Path) -> None:
+    """(faults.SlowDigits marks each rank as it builds its data.)"""
+    while proc.poll() is None and not all(marker.with_suffix(f".rank{r}").is_file()
+                                          for r in (0, 1)):
+        time.sleep(0.05)
+
+
+def test_ctrl_c_before_the_workers_train_says_that_nothing_was_saved(tmp_path) -> None:
+    """The workers, still building their data, stop with nothing to save, and the line says so
+    (it said "the workers saved a checkpoint")."""
+    run_dir, marker = tmp_path / "run", tmp_path / "building"
+    proc = _in_a_group_of_its_own(
+        "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "devices=2",
+        "data._target_=faults.SlowDigits", "+data.setup_s=60", f"+data.marker={marker}")
+    _when_both_ranks_build(proc, marker)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "stopped by SIGINT, but no checkpoint was saved at the stop (the workers had not " \
+           "begun training); there is no checkpoint yet" in output, output[-3000:]
+    assert "Traceback" not in output and not (run_dir / "checkpoints").exists()
+
+
+def test_sigterm_to_torchrun_ranks_before_training_records_the_run_as_interrupted(
+        tmp_path) -> None:
+    """A rank still building its data ends as a process of its own would, with the run's
+    record (it died of the signal, and the run had no result.json). What torchrun itself
+    prints and returns is its own."""
+    run_dir, marker = tmp_path / "run", tmp_path / "building"
+    proc = _in_a_group_of_its_own(
+        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "app",
+        f"hydra.run.dir={run_dir}", *TINY, "data._target_=faults.SlowDigits",
+        "+data.setup_s=60", f"+data.marker={marker}")
+    _when_both_ranks_build(proc, marker)
+    os.killpg(proc.pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=90)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "interrupted", output[-3000:]
+    assert {e["status"] for e in ends.read(run_dir, 0).values()} == {ends.STOPPED}, output[-3000:]
+
+
+def test_a_sigterm_after_the_run_completed_leaves_it_completed(tmp_path) -> None:
+    """The worker server dies of it, and the workers' exit codes with it: the result rank 0
+    sent says the run completed all the same."""
+    run_dir, marker = tmp_path / "run", tmp_path / "lingering"
+    proc = _in_a_group_of_its_own(
+        "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "devices=2", "trainer.max_epochs=1",
+        "+callbacks.linger._target_=linger.LingerAtExit", f"+callbacks.linger.marker={marker}",
+        "+callbacks.linger.seconds=3")
+    while proc.poll() is None and not marker.is_file():
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "completed"
