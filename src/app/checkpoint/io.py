@@ -10,6 +10,7 @@ and each checkpoint records whether it was the best: a crash between the two nam
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -130,6 +131,12 @@ def read(path: Path) -> Any:
         raise UserError(f"checkpoint {path}: a directory, not a checkpoint file (a run keeps "
                         f"its checkpoints in checkpoints/: give one, such as last.pt)")
     if not path.is_file():
+        try:
+            os.stat(path)
+        except OSError as e:  # (a link that leads back to itself is no file, nor a missing one)
+            if e.errno == errno.ELOOP:
+                raise UserError(f"checkpoint {path}: a symbolic link loop (its links lead back "
+                                f"to themselves, never to a file)") from None
         raise UserError(f"checkpoint {path}: file not found")
     # Garbage bytes make the unpickler raise almost anything (IndexError, KeyError,
     # UnicodeDecodeError, ...): every one of them means the file is not a readable checkpoint.
