@@ -35,6 +35,8 @@ def test_a_crafted_index_is_refused_before_it_runs_anything(tmp_path) -> None:
             return (os.system, (f"touch {marker}",))
 
     (evil / ".metadata").write_bytes(pickle.dumps(Payload()))
+    # (Whoever crafts an index can write its checksum too: the reader refuses it still.)
+    sharded.write_checksums(evil, [".metadata", "meta.pt"], sharded.CHECKSUMS)
     with pytest.raises(UserError, match=r"refused: its index \(.metadata\) names "
                                         r"(posix|os)\.system.*nothing was run"):
         layout.load(evil)

@@ -165,8 +165,14 @@ def latest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     periodic ones, newest first. None when there is none; an error when there are some and
     none loads (a run is never silently started afresh over checkpoints that exist)."""
     candidates = [directory / "last.pt", *sorted(directory.glob("step-*.pt"), reverse=True)]
-    bad = []
+    bad, tried = [], set()
     for path in (c for c in candidates if c.exists()):
+        # last.pt is another name of a step's checkpoint (a hard or a symbolic link): one
+        # checkpoint, skipped once.
+        same = (path.stat().st_dev, path.stat().st_ino)
+        if same in tried:
+            continue
+        tried.add(same)
         if not io.is_checkpoint(path):  # (a step directory that lost its index)
             log.warning("resume: skipping %s: a directory without DCP's index (%s): not a "
                         "whole checkpoint", path, sharded.INDEX)

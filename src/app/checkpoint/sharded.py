@@ -6,6 +6,8 @@ every rank at once with torch.distributed.checkpoint (DCP), each rank its own sh
         __R_0.distcp       rank R's shards of the tensors: model, optimizer, ema
         meta.pt            everything else of the single-file layout (app.checkpoint.layout),
                            plain values, written by rank 0
+        checksums.rankR.json   the checksums of rank R's shard files, written by rank R
+        checksums.json     the checksums of the index and meta.pt, written by rank 0
     last.pt, best.pt       symbolic links to a step directory
     .step-00000100.pt.tmp/ a checkpoint being written: never read, removed by pruning
 
@@ -14,16 +16,24 @@ index and meta.pt are on disk (each file fsynced), so a kill at any moment leave
 half-written checkpoint under a name a resume reads. The tensors are stored by name and
 global shape, not by rank: a checkpoint of N ranks loads on M ranks (DCP reshards), and on a
 single process as full tensors (`read_full`: evaluation, export, conversion).
+
+Every reader compares the files with their checksums before it reads them: DCP checks
+nothing, and a shard with bytes changed on disk either fails to unpickle (which looks like a
+checkpoint of another model) or loads garbage weights without a word. A checkpoint written
+before checksums (none in its directory) is read unchecked.
 """
 
 from __future__ import annotations
 
 import enum
 import importlib
+import json
+import os
 import pickle
 import shutil
 import warnings
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -43,6 +53,7 @@ warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or
 
 META = "meta.pt"
 INDEX = ".metadata"
+CHECKSUMS = "checksums.json"  # (and each rank's: checksums.rank{R}.json)
 
 
 def is_sharded(path: str | Path) -> bool:
@@ -69,9 +80,9 @@ class ShardedWriter(BackgroundWrites):
 
         start = self._begin()
         tmp = path.with_name(f".{path.name}.tmp")
-        shards = (dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.group).result
-                  if self.background else
-                  partial(dcp.save, tensors, checkpoint_id=tmp, process_group=self.group))
+        args = dict(storage_writer=_checksummed_writer(tmp), process_group=self.group)
+        shards = (dcp.async_save(tensors, **args).result if self.background else
+                  partial(dcp.save, tensors, **args))
         return self._run(lambda: self._write(shards, meta, tmp, path, then), "app-dcp-writer",
                          start)
 
@@ -92,6 +103,7 @@ class ShardedWriter(BackgroundWrites):
                 return
             try:
                 io.save(meta, tmp / META)
+                write_checksums(tmp, [INDEX, META], CHECKSUMS)
                 sync_dir(tmp)
                 io.put(tmp, path)  # (over the same step written before, a file or a directory)
             except BaseException as e:
@@ -104,6 +116,45 @@ class ShardedWriter(BackgroundWrites):
 
     def hold_until_copied(self) -> None:
         """(DCP copies the tensors before `async_save` returns: nothing to wait for.)"""
+
+
+def _checksummed_writer(path: Path) -> Any:
+    """DCP's file writer for a checkpoint at `path`, which also writes the checksums of the
+    shard files of its rank once they are on disk. That is in DCP's write step, in the thread
+    that writes the shards; DCP's coordinator writes the index only after every rank's write
+    step returned, so every rank's checksums are on disk before the index is, and before rank
+    0 renames the checkpoint into place: no collective of app's own."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class ChecksummedWriter(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            written = super().write_data(plan, planner)  # (done: a completed future)
+            write_checksums(path, {str(r.storage_data.relative_path) for r in written.value()},
+                            f"checksums.rank{self.rank}.json")
+            return written
+
+    return ChecksummedWriter(path)
+
+
+def checksum(file: Path) -> str:
+    """The file's CRC-32 (zlib's): it is there to find bytes changed by accident (a disk, a
+    copy, an overwrite), not by intent (who can change a shard can change its checksum too),
+    and it is the fastest at hand: a just-written file at 3.0 GB/s on an Intel Xeon, where
+    sha256 does 1.3 and blake2b 0.75 (`make bench`). zlib releases the GIL while it hashes:
+    the loop runs on beside the writer thread."""
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"
+
+
+def write_checksums(folder: Path, names: Iterable[str], file: str) -> None:
+    """The checksums of the files `names` in `folder`, as json in `folder/file`, fsynced."""
+    with open(folder / file, "w") as f:
+        json.dump({name: checksum(folder / name) for name in sorted(names)}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # ---- reading ---------------------------------------------------------------------------------
@@ -144,12 +195,36 @@ class _IndexUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("builtins.getattr")
 
 
+def verify(path: Path, names: Iterable[str]) -> None:
+    """Compare the files `names` of the checkpoint at `path` with the checksums written with
+    them; a checkpoint without checksums (written before app wrote them) is not compared."""
+    sums: dict[str, Any] = {}
+    for file in sorted(path.glob("checksums*.json")):
+        try:
+            sums.update(json.loads(file.read_bytes()))
+        except (OSError, ValueError, TypeError) as e:
+            raise UserError(f"checkpoint {path}: damaged: its {file.name} does not read "
+                            f"({io.reason(e) or one_line(e)})") from e
+    for name in names if sums else ():
+        if name not in sums:
+            raise UserError(f"checkpoint {path}: damaged: {name} has no checksum (a "
+                            f"checksums file of the checkpoint is lost)")
+        try:
+            same = checksum(path / name) == sums[name]
+        except OSError as e:
+            raise UserError(f"checkpoint {path}: {name} does not read ({e.strerror})") from e
+        if not same:
+            raise UserError(f"checkpoint {path}: damaged: {name} does not match the checksum "
+                            f"written with it (its bytes changed on disk)")
+
+
 def read_index(path: Path) -> Any:
-    """DCP's index of a sharded checkpoint (its Metadata), read safely, after checking that
-    every shard file it names is there and as long as it says (a checkpoint whose shards were
-    lost or cut short is not one to read)."""
+    """DCP's index of a sharded checkpoint (its Metadata), read safely once it matches its
+    checksum, after checking that every shard file it names is there and as long as it says
+    (a checkpoint whose shards were lost or cut short is not one to read)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    verify(path, [INDEX])  # (first: a damaged index may unpickle as anything, or name anything)
     try:
         with open(path / INDEX, "rb") as f:
             metadata = _IndexUnpickler(f).load()
@@ -183,10 +258,13 @@ def tensor_groups(path: Path) -> set[str]:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    """meta.pt of a sharded checkpoint, after checking its index (`read_index`)."""
-    read_index(path)
+    """meta.pt of a sharded checkpoint, after checking its index (`read_index`) and every
+    file against its checksum: each reader reads a checkpoint's meta once, before its shards."""
+    metadata = read_index(path)
     if not (path / META).is_file():
         raise UserError(f"checkpoint {path}: no {META}: an incomplete sharded checkpoint")
+    shards = {str(item.relative_path) for item in (metadata.storage_data or {}).values()}
+    verify(path, [*sorted(shards), META])
     meta = io.read(path / META)
     if not isinstance(meta, dict):
         raise UserError(f"checkpoint {path}: {META} is not a dict: a damaged checkpoint")
