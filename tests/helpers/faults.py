@@ -30,7 +30,9 @@ class FaultyCNN(CNN):
         super().__init__(**kwargs)
         self.fault, self.fault_rank, self.fault_call = fault, fault_rank, fault_call
         self.fault_once = fault_once
-        self.calls = 0
+        # Counted from the first step: with several ranks DDP's buckets are settled by one
+        # forward and backward before it (app.training.sharding.settle_buckets).
+        self.calls = -1 if dist.world_size() > 1 else 0
 
     def _fires(self) -> bool:
         if dist.rank() != self.fault_rank or self.calls != self.fault_call:

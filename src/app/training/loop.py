@@ -37,7 +37,7 @@ from app.training.build import (
 from app.training.ema import ModelEMA
 from app.training.hooks import Callbacks, Run
 from app.training.runtime import seed_everything
-from app.training.sharding import checkpoint_activations, shard
+from app.training.sharding import checkpoint_activations, settle_buckets, shard
 from app.training.state import (
     LoopState,
     finished,
@@ -64,7 +64,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     global_batch = data.batch_size * world_size * accumulate
     ema = ModelEMA(model, t.ema_decay, t.ema_warmup_steps) if t.ema else None
     checkpoint_activations(model, t.activation_checkpointing)  # (not the EMA's: no backward)
-    train_model = _wrapped_for_training(model, ema, cfg, device)
+    train_model = _wrapped_for_training(model, ema, cfg, device, data)
     # After the wrapping: FSDP replaces the parameters with their shards.
     optimizer = build_optimizer(cfg, model, global_batch=global_batch)
     torch.manual_seed(cfg.seed + dist.rank())  # dropout differs between ranks, repeatably
@@ -173,7 +173,7 @@ def _model_on(device: torch.device, cfg: AppConfig, data: DataModule) -> nn.Modu
 
 
 def _wrapped_for_training(model: nn.Module, ema: ModelEMA | None, cfg: AppConfig,
-                          device: torch.device) -> nn.Module:
+                          device: torch.device, data: DataModule) -> nn.Module:
     """What the train step runs, compiled when asked; with several ranks, the DDP wrapper
     (which also broadcasts rank 0's weights), or under fsdp the model itself, sharded in
     place, and the EMA's copy alike (app.training.sharding)."""
@@ -187,6 +187,8 @@ def _wrapped_for_training(model: nn.Module, ema: ModelEMA | None, cfg: AppConfig
             model, device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=d.find_unused_parameters, static_graph=d.static_graph,
             bucket_cap_mb=d.bucket_cap_mb, **dist.ddp_buffer_sync(d.broadcast_buffers))
+        if not d.find_unused_parameters:  # (then DDP never regroups its buckets)
+            settle_buckets(train_model, data.train, device, cfg.precision)
     return torch.compile(train_model) if cfg.compile else train_model
 
 

@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset, default_collate
 
 from app import dist
+from app.checkpoint.rng import rng_state, set_rng_state
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -131,3 +133,27 @@ def buffer_broadcast(model: nn.Module) -> Callable[[], None] | None:
                 b.copy_(new.view_as(b))
 
     return broadcast
+
+
+def settle_buckets(ddp: nn.Module, dataset: Dataset, device: torch.device, precision: str) -> None:
+    """Put DDP's gradient buckets in their final layout before the first step of any run.
+
+    DDP regroups the gradients into buckets after its first backward, by the order in which
+    they were ready. Where a value lies in its bucket decides the order in which a ring
+    all-reduce adds the ranks' values, and with three ranks or more that order shows in the
+    last bits: a resumed run's first step, in the first layout, differed from the same step
+    of the run it continues, in the regrouped one (two ranks add commutatively). One
+    backward on two samples, before the loop, regroups them; its effects are undone (the
+    buffers it updated, such as BatchNorm's statistics, the random states the samples and
+    the forward drew on) and its gradients dropped."""
+    model, random_states = ddp.module, rng_state()
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    x, _ = default_collate([dataset[i] for i in range(min(2, len(dataset)))])
+    dtype = torch.bfloat16 if precision == "bf16-true" else None
+    ddp(x.to(device, dtype=dtype)).float().sum().backward()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    for p in model.parameters():
+        p.grad = None
+    set_rng_state(random_states)
