@@ -108,9 +108,13 @@ class _Watcher:
 
     def __init__(self) -> None:
         self.states: dict[str, tuple[str, str]] = {}
+        self.requeues: dict[str, int] = {}
 
     def waiting(self) -> dict[str, tuple[str, str]]:
         return dict(self.states)
+
+    def restarts(self) -> dict[str, int]:
+        return dict(self.requeues)
 
 
 PARAMS = {"nodes": 1, "tasks_per_node": 2, "cpus_per_task": 4, "mem_gb": 16,
@@ -153,6 +157,25 @@ def test_a_stuck_job_is_named_once_and_again_when_its_reason_changes(caplog) -> 
                                  "(QOSMaxCpuPerJobLimit)")
 
 
+def test_each_requeue_of_a_job_is_named_once(caplog) -> None:
+    # A failed node or a preemption: Slurm requeues the job, which the waiting submitter saw
+    # only as a job still running.
+    from hydra_plugins.app_submitit._pending import Stuck
+
+    stuck, watcher = Stuck(PARAMS, {"9": 0}), _Watcher()
+    caplog.set_level(logging.INFO, logger="hydra_plugins.app_submitit.launcher")
+    watcher.requeues = {"9": 0}
+    stuck.check(watcher)
+    watcher.requeues = {"9": 1}
+    stuck.check(watcher)
+    stuck.check(watcher)
+    watcher.requeues = {"9": 0}  # (sacct, once scontrol forgets the job, counts none)
+    stuck.check(watcher)
+    assert [r.getMessage() for r in caplog.records] == [
+        "job #0 (slurm job 9) was requeued (restart 1; its log says why): it runs again and "
+        "resumes from its last checkpoint"]
+
+
 def test_the_watcher_reads_each_jobs_state_and_reason_in_one_poll(monkeypatch) -> None:
     """scontrol lists a pending array's tasks, with why they wait, in one record: one call per
     poll (sacct only for a job it no longer lists, which has ended where sacct lists none)."""
@@ -162,7 +185,7 @@ def test_the_watcher_reads_each_jobs_state_and_reason_in_one_poll(monkeypatch) -
     for job_id in ("42", "43_0", "43_1", "44"):
         watcher.register_job(job_id)
     calls: list[str] = []
-    out = {"scontrol": "JobId=42 JobState=RUNNING Reason=None\nJobId=45 ArrayJobId=43 "
+    out = {"scontrol": "JobId=42 JobState=RUNNING Reason=None Restarts=2\nJobId=45 ArrayJobId=43 "
                        "ArrayTaskId=0-1 JobState=PENDING Reason=JobHeldUser\n", "sacct": ""}
 
     def run(command: list[str]) -> str:
@@ -175,3 +198,4 @@ def test_the_watcher_reads_each_jobs_state_and_reason_in_one_poll(monkeypatch) -
     assert watcher.waiting() == {"42": ("RUNNING", "None"), "43_0": ("PENDING", "JobHeldUser"),
                                  "43_1": ("PENDING", "JobHeldUser")}
     assert watcher.get_state("44", mode="cache") == "GONE" and watcher.is_done("44", "cache")
+    assert watcher.restarts() == {"42": 2, "43_0": 0, "43_1": 0, "44": 0}

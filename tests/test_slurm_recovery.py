@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,10 +33,11 @@ from slurm_cluster import (  # noqa: E402
 
 on_the_cluster = pytest.mark.usefixtures("slurm_cluster")
 
-# 8 epochs of 11 steps, a checkpoint after each: long enough to be hit in the middle.
-# Each step slowed by 50 ms (faults.FaultyCNN, same numbers): a job on an idle machine trains
-# 88 steps in about a second, less than the test needs to act on it mid-training.
-TRAINING = ["devices=2", *TINY, "trainer.max_epochs=8", "trainer.ckpt_every_n_epochs=1",
+# Three ranks (where the order of adding their gradients shows: tests/test_three_ranks.py), 8
+# epochs of 7 steps, a checkpoint after each: long enough to be hit in the middle. Each step
+# slowed by 50 ms (faults.FaultyCNN, same numbers): a job on an idle machine trains 56 steps
+# in about a second, less than the test needs to act on it mid-training.
+TRAINING = ["devices=3", *TINY, "trainer.max_epochs=8", "trainer.ckpt_every_n_epochs=1",
             "model._target_=faults.FaultyCNN", "+model.fault=slow"]
 
 
@@ -56,6 +58,34 @@ def test_which_endings_requeue_the_job(status, errors, failures, state, restarts
     assert decide(status, errors, failures, 3, state, restarts, 0) == requeued
 
 
+class _Job:  # what died_by_signal reads of a submitit job: the batch script's log
+    def __init__(self, log: Path) -> None:
+        self.log = log
+
+    def task(self, _: int) -> SimpleNamespace:
+        return SimpleNamespace(paths=SimpleNamespace(stderr=self.log))
+
+
+RAISED = ("error", "RuntimeError: ... Connection closed by peer")
+
+
+@pytest.mark.parametrize("report, results, killed", [
+    # Three ranks, task 1 killed: task 2 raised in its next collective before srun killed it.
+    ("srun: error: node1: task 1: Killed\nsrun: error: node1: tasks 0,2: Killed\n",
+     [None, None, RAISED], True),
+    ("srun: error: node1: task 2: Exited with exit code 1\nsrun: error: node1: tasks 0-1: "
+     "Killed\n", [None, None, RAISED], False),  # task 2 raised first: a failure
+    ("", [None, ("success", 0.9)], True),  # the batch script went with its node
+    ("", [RAISED, None], False),
+])
+def test_a_job_died_by_signal_when_its_first_ended_task_was_killed(tmp_path, report, results,
+                                                                    killed) -> None:
+    from app.sweeps.job_end import died_by_signal
+
+    (tmp_path / "log.err").write_text(report)
+    assert died_by_signal(_Job(tmp_path / "log.err"), results) is killed
+
+
 def test_a_job_restarted_too_often_is_refused(monkeypatch) -> None:
     from app.errors import JobFailed
 
@@ -73,9 +103,10 @@ def test_a_job_restarted_too_often_is_refused(monkeypatch) -> None:
 def _ends_like_the_reference(proc: subprocess.Popen, sweep: Path, reference: Path) -> str:
     log = (sweep.parent / f"{sweep.name}.log").read_text
     assert proc.wait(timeout=600) == 0, log()[-3000:]
+    assert log().count("was requeued (restart 1; its log says why)") == 1, log()[-3000:]
     train_log = (sweep / "0" / "train.log").read_text()
     resumed_at = int(re.search(r"resumed from \S+last\.pt at step (\d+)", train_log).group(1))
-    assert 0 < resumed_at < 8 * 11
+    assert 0 < resumed_at < 8 * 7
     assert_same_weights(reference / "checkpoints" / "last.pt",
                         sweep / "0" / "checkpoints" / "last.pt")
     assert read_metrics(sweep / "0") == read_metrics(reference)

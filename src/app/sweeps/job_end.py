@@ -57,6 +57,19 @@ def _signal_name(what: str) -> str:
     return f"exit code {number}"
 
 
+def died_by_signal(job: Any, results: list[tuple[str, Any] | None]) -> bool:
+    """Whether the job's first failure was a task killed by a signal (the OOM killer, a crash,
+    a lost node) rather than one that raised. srun reports tasks in the order they ended: the
+    killed task first, then its peers, which raise in their next collective (with three ranks
+    or more one may, before srun kills it) or are killed by srun. Without srun's report (the
+    batch script died with its node): a task left no result and none raised."""
+    reported = srun_failures(job.task(0).paths.stderr)
+    if reported:
+        task, how = reported[0]
+        return how.startswith("killed by") and results[task] is None
+    return None in results and not any(r is not None and r[0] == "error" for r in results)
+
+
 def describe(job: Any, state: str, results: list[tuple[str, Any] | None]
              ) -> tuple[int | None, str, str]:
     """(the task that failed first or None, what happened, the log to read) for a job without

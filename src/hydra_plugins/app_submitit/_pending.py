@@ -1,5 +1,6 @@
 """Jobs that wait for a person (held, a partition down, a request over a per-job limit), named
-while the submitting command waits: once per reason, from the states polled anyway."""
+while the submitting command waits: once per reason, from the states polled anyway; and each
+requeue of a job, once."""
 
 from __future__ import annotations
 
@@ -26,12 +27,24 @@ class Stuck:
     def __init__(self, params: dict[str, Any], nums: dict[str, int]) -> None:
         self.params, self.nums = params, nums
         self.said: dict[str, str] = {}  # job id -> the reason named
+        self.requeues: dict[str, int] = {}  # job id -> the requeues named
+
+    def _label(self, job_id: str) -> str:
+        num = self.nums.get(job_id)
+        return f"slurm job {job_id}" if num is None else f"job #{num} (slurm job {job_id})"
 
     def check(self, watcher: Any) -> None:
-        """Name each job stuck anew, or for another reason, or no longer stuck."""
+        """Name each job requeued, or stuck anew, or for another reason, or no longer stuck."""
+        # A failed node, a preemption, a time limit, or a task killed by a signal (app's own
+        # requeue): the job runs again by itself, which a submitter would otherwise not see.
+        for job_id, restarts in sorted(watcher.restarts().items()):
+            if restarts > self.requeues.get(job_id, 0):
+                self.requeues[job_id] = restarts
+                log.warning("%s was requeued (restart %d; its log says why): it runs again "
+                            "and resumes from its last checkpoint", self._label(job_id),
+                            restarts)
         for job_id, (state, reason) in sorted(watcher.waiting().items()):
-            num = self.nums.get(job_id)
-            label = f"slurm job {job_id}" if num is None else f"job #{num} (slurm job {job_id})"
+            label = self._label(job_id)
             # QOSMaxCpuPerJobLimit, AssocMaxWallDurationPerJobLimit ...: the job itself is over
             # a limit of its QOS or account (not a count of running jobs, which goes down).
             if state.upper().startswith("PENDING") and (

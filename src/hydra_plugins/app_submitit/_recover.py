@@ -1,7 +1,8 @@
-"""After srun, a job's batch script runs `main`, which requeues a job whose task died by a
-signal (the OOM killer, a crash) when no task raised, up to max_num_failures times (counted in
-the job's folder, apart from submitit's requeues at a time limit). A failed node takes the
-script with it: Slurm requeues the job itself, and the job counts its restarts at its start."""
+"""After srun, a job's batch script runs `main`, which requeues a job whose first failure was a
+task killed by a signal (the OOM killer, a crash), not one that raised, up to max_num_failures
+times (counted in the job's folder, apart from submitit's requeues at a time limit). A failed
+node takes the script with it: Slurm requeues the job itself, and the job counts its restarts
+at its start."""
 
 from __future__ import annotations
 
@@ -35,11 +36,14 @@ def main(argv: list[str]) -> int:
     import submitit
 
     from app import slurm
-    from app.sweeps.job_end import outcomes
+    from app.sweeps.job_end import died_by_signal, outcomes
 
     env = submitit.JobEnvironment()
     job = submitit.SlurmJob(folder=folder, job_id=env.job_id, tasks=range(env.num_tasks))
-    errors = sum(r is not None and r[0] == "error" for r in outcomes(job, grace_s=0))
+    results = outcomes(job, grace_s=0)
+    # (the peers of a killed task that raised in their next collective are not its cause)
+    errors = 0 if died_by_signal(job, results) else \
+        sum(r is not None and r[0] == "error" for r in results)
     counter = Path(job.paths.folder) / COUNT_FILE
     failures = len(counter.read_text().splitlines()) if counter.is_file() else 0
     listed = (slurm.jobs() or {}).get(env.job_id) or slurm.Job(env.job_id, "UNKNOWN")
@@ -60,15 +64,14 @@ def main(argv: list[str]) -> int:
 
 
 def requeued(job: Any, confirm_s: float = 10.0) -> bool:
-    """Whether a job seen failed, with a task that left no result and none that raised, runs
-    again (the watcher may catch the state it passes on the way to its requeue)."""
+    """Whether a job seen failed, a task of it killed by a signal first, runs again (the
+    watcher may catch the state it passes on the way to its requeue)."""
     from app import slurm
-    from app.sweeps.job_end import outcomes
+    from app.sweeps.job_end import died_by_signal, outcomes
 
     state = job.state.split()[0].upper() if job.state else ""
-    results = outcomes(job, grace_s=0)
-    if state not in ("FAILED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY") or any(
-            r is not None and r[0] == "error" for r in results) or None not in results:
+    if state not in ("FAILED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY") or \
+            not died_by_signal(job, outcomes(job, grace_s=0)):
         return False
     deadline = time.monotonic() + confirm_s
     while time.monotonic() < deadline:

@@ -35,7 +35,7 @@ class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
             log.warning("Slurm does not answer (scontrol show job failed): job states may lag")
         self._failed = self._failed or known is None
         self._info_dict.update({job_id: {"JobID": job_id, "State": job.state,
-                                         "Reason": job.reason}
+                                         "Reason": job.reason, "Restarts": job.restarts}
                                 for job_id, job in (known or {}).items()})
         self._last_status_check = time.time()
         self._finished.update(job_id for job_id in ids if self.is_done(job_id, mode="cache"))
@@ -45,3 +45,7 @@ class SlurmStates(slurm_info_watcher()):  # submitit internals: see app._private
         return {job_id: (fields["State"], fields.get("Reason", ""))
                 for job_id in self._registered - self._finished
                 if (fields := self._info_dict.get(job_id, {})).get("State")}
+
+    def restarts(self) -> dict[str, int]:
+        """Each job -> the times Slurm requeued it, as last polled."""
+        return {job_id: fields.get("Restarts", 0) for job_id, fields in self._info_dict.items()}

@@ -188,9 +188,7 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         slurm = self._EXECUTOR == "slurm"
         self._wait(job, stuck)
         while slurm and self.max_num_failures > 0 and requeued(job):
-            log.warning("job #%d (slurm job %s) was requeued after a fault (see its log: %s); "
-                        "waiting for it again", num, job.job_id, job.paths.stderr)
-            self._wait(job, stuck)
+            self._wait(job, stuck)  # (`stuck` names the requeue)
         state = job.state.split()[0].upper() if slurm else ""
         # A task that exited 0 wrote its result: a missing one is a slow file system.
         results = outcomes(job, grace_s=15 if state in ("", "COMPLETED") else 0)
