@@ -173,6 +173,10 @@ def test_a_job_whose_node_fails_is_requeued_and_ends_bit_identical(tmp_path) -> 
         # (on node3 again: ReturnToService=2 brings back a node that answers, as this
         # emulated one does at once)
         _ends_like_the_reference(proc, sweep, reference)
+        stopped = re.search(r"stopped by signal SIGTERM at step \d+; checkpoint saved: (.*)",
+                            (sweep / "0" / "train.log").read_text())
+        assert stopped and stopped.group(1) == "Slurm has requeued the job (a failed node or " \
+            "a preemption): it resumes from it", stopped and stopped.group(0)
     finally:
         if node:
             subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"],

@@ -5,6 +5,7 @@ Slurm does not answer: the callers fall back on what the run directories say."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 
 # The states after which a job never runs again (GONE: ours, the controller no longer lists
@@ -94,6 +95,19 @@ def states(job_ids: list[str]) -> dict[str, Job] | None:
         if len(parts) == 4 and parts[0]:
             known[parts[0]] = Job(parts[0], parts[1].split()[0], "", 0, parts[3], parts[2])
     return {j: known.get(j, Job(j, "GONE")) for j in job_ids}
+
+
+def requeued_since_start() -> bool:
+    """Whether Slurm has requeued the job this process is a task of since this run of it
+    began (a failed node, a preemption): it runs again by itself. At the signal that ends the
+    run, Slurm lists the job PENDING with its restart count raised already."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    # Task 0 asks, whose line the job's log shows (not every task of a large job at once).
+    ask = job_id and os.environ.get("SLURM_PROCID", "0") == "0"
+    out = run(["scontrol", "--oneliner", "show", "job", job_id]) if ask else None
+    f = _fields(out.splitlines()[0]) if out and out.strip() else {}
+    began = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    return f.get("JobState", "GONE") not in FINAL and int(f.get("Restarts", "0") or 0) > began
 
 
 def max_array_size() -> int | None:

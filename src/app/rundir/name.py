@@ -42,9 +42,13 @@ def run_name(env: Mapping[str, str] | None = None, now: datetime | None = None) 
 
 
 def resume_hint(run_dir: Path) -> str:
-    """How to resume a stopped run: a job of a sweep (Hydra's multirun.yaml beside it) is
-    resumed by the sweep's command with its sweep directory (on the same launcher, Slurm
-    too), a single run by its run directory."""
+    """How to resume a stopped run: a Slurm job that Slurm requeued resumes by itself; a job
+    of a sweep (Hydra's multirun.yaml beside it) is resumed by the sweep's command with its
+    sweep directory (on the same launcher, Slurm too), a single run by its run directory."""
+    from app import slurm
+
+    if slurm.requeued_since_start():
+        return "Slurm has requeued the job (a failed node or a preemption): it resumes from it"
     if is_job_of_sweep(run_dir):
         return f"run the sweep's command again with hydra.sweep.dir={run_dir.parent} to resume"
     return f"run again with hydra.run.dir={run_dir} to resume"
