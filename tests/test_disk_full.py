@@ -89,18 +89,20 @@ def test_a_full_disk_at_a_metrics_row_is_one_line_and_leaves_no_partial_row(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]
 
 
-MOUNT = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs"]
-
-
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    """A 1 MiB tmpfs. As root it is mounted here; as another user, in a mount namespace of its
-    own (`unshare --user --map-root-user --mount`), kept by a process of that namespace through
-    whose /proc/PID/root the test reaches it. Where neither can be done, a skip saying why
-    (the in-process tests above cover the same logic)."""
-    mount = tmp_path / "tmpfs"
+    """A 1 MiB tmpfs."""
+    yield from mounted_tmpfs(tmp_path / "tmpfs", "size=1m")
+
+
+def mounted_tmpfs(mount: Path, options: str):
+    """A tmpfs mounted with `options` at `mount`. As root it is mounted there; as another user,
+    in a mount namespace of its own (`unshare --user --map-root-user --mount`), kept by a
+    process of that namespace through whose /proc/PID/root the test reaches it. Where neither
+    can be done, a skip saying why (the in-process tests above cover the same logic)."""
     mount.mkdir()
-    done = subprocess.run([*MOUNT, str(mount)], capture_output=True, text=True)
+    command = ["mount", "-t", "tmpfs", "-o", options, "tmpfs"]
+    done = subprocess.run([*command, str(mount)], capture_output=True, text=True)
     if done.returncode == 0:
         yield mount
         subprocess.run(["umount", str(mount)], check=True)
@@ -109,16 +111,17 @@ def tiny_tmpfs(tmp_path):
     try:  # the process mounts, says so, then waits for its stdin to close
         keeper = subprocess.Popen(
             ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-             f'{" ".join(MOUNT)} "$0" && echo mounted && exec cat >/dev/null', str(mount)],
+             f'{" ".join(command)} "$0" && echo mounted && exec cat >/dev/null', str(mount)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except FileNotFoundError as e:
-        pytest.skip(f"cannot mount a tmpfs here ({why}; {e}): the real full disk is not tried")
+        pytest.skip(f"cannot mount a tmpfs here ({why}; {e}): the real file system is not "
+                    f"tried")
     try:
         if keeper.stdout.readline().strip() != "mounted":
             keeper.stdin.close()
             pytest.skip(f"cannot mount a tmpfs here ({why}; in a user namespace: "
-                        f"{keeper.stderr.read().strip() or keeper.wait()}): the real full "
-                        f"disk is not tried")
+                        f"{keeper.stderr.read().strip() or keeper.wait()}): the real file "
+                        f"system is not tried")
         yield Path(f"/proc/{keeper.pid}/root") / mount.relative_to("/")
     finally:
         if not keeper.stdin.closed:
@@ -126,7 +129,7 @@ def tiny_tmpfs(tmp_path):
         keeper.wait(timeout=30)
 
 
-def _fill(directory) -> None:
+def fill(directory) -> None:
     with open(directory / "filler", "wb", buffering=0) as f:
         with pytest.raises(OSError) as full:
             while True:
@@ -141,7 +144,7 @@ def test_a_really_full_disk_at_run_files_is_one_line_and_leaves_no_partial_file(
     logger.log(1, 0, "val", metrics)
     write_result(tiny_tmpfs, "running", 1.0)
     before = {p.name: p.read_bytes() for p in tiny_tmpfs.iterdir()}
-    _fill(tiny_tmpfs)
+    fill(tiny_tmpfs)
     with pytest.raises(WriteFailed, match="metrics.csv could not be written"):
         logger.log(2, 0, "val", metrics)
     with pytest.raises(WriteFailed, match="result.json could not be written"):
