@@ -1,13 +1,17 @@
 """A full disk at a run file (result.json, metrics.csv): one line, no partial file, the previous
 content intact. In-process with the write made to fail, and on a real full file system (a
-small tmpfs) where this machine lets the test mount one."""
+small tmpfs) where this machine lets the test mount one. At a log file (train.log, a rank's
+log): the run stops at a step with a checkpoint, and says so in one line."""
 
 from __future__ import annotations
 
 import builtins
 import errno
 import logging
+import re
+import resource
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -19,7 +23,7 @@ from app.errors import WriteFailed
 from app.reporting.loggers import CSVLogger
 from app.reporting.results import write_result
 from app.training.build import build_data, build_model
-from conftest import TINY, make_config, run_app
+from conftest import REPO, TINY, load_state, make_config, run_app
 
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 
@@ -231,3 +235,72 @@ def test_a_full_disk_at_a_sharded_checkpoint_is_one_line_and_frees_its_space(
                 tiny_tmpfs / "step-00000002.pt", lambda: None)
     writer.wait()
     assert sharded.is_sharded(tiny_tmpfs / "step-00000002.pt")
+
+
+# A log file on a full disk: /dev/full fails every write with ENOSPC, as a full disk does, for
+# that file alone. Before: a traceback on stderr for every record (thousands), exit status 0.
+needs_dev_full = pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+
+
+def _logs_on_a_full_disk(run_dir: Path, *names: str) -> None:
+    (run_dir / "logs").mkdir(parents=True)
+    for name in names:
+        (run_dir / name).symlink_to("/dev/full")
+
+
+def _app(run_dir: Path, *overrides: str, file_size_limit: int | None = None):
+    def limit() -> None:  # writing past it fails with EFBIG, as a full disk fails a write
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return subprocess.run([sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *TINY,
+                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit if file_size_limit else None)
+
+
+def _last_line(proc) -> str:
+    assert proc.returncode == WriteFailed.exit_code == 1, proc.stdout[-3000:] + proc.stderr
+    assert proc.stderr == "" and "Traceback" not in proc.stdout
+    return proc.stdout.splitlines()[-1].split("[app][ERROR] - ", 1)[1]
+
+
+@needs_dev_full
+def test_a_full_disk_at_train_log_stops_the_run_with_a_checkpoint_in_one_line(
+        tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    _logs_on_a_full_disk(run_dir, "train.log")
+    assert _last_line(_app(run_dir)) == (
+        f"{run_dir}/train.log could not be written (No space left on device): the run stopped "
+        f"at step 1 with a checkpoint; free some space (or fix the mount), then run again "
+        f"with hydra.run.dir={run_dir} to resume")
+    assert load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"] == 1
+    # A job without a training loop ends as it would have, then says so.
+    proc = _app(run_dir, "trainer=eval", f"ckpt={run_dir}/checkpoints/last.pt")
+    assert _last_line(proc) == (f"{run_dir}/train.log could not be written (No space left on "
+                                f"device): the job completed, its log is incomplete")
+    assert (run_dir / "eval.json").is_file()
+
+
+@needs_dev_full
+def test_a_full_disk_at_train_log_and_at_the_stop_checkpoint_is_one_line(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    _logs_on_a_full_disk(run_dir, "train.log")
+    proc = _app(run_dir, file_size_limit=32 * 1024)  # (a checkpoint is 87 kB)
+    assert _last_line(proc) == (
+        f"{run_dir}/train.log could not be written (No space left on device); checkpoint "
+        f"{run_dir}/checkpoints/step-00000001.pt could not be written (File too large); the "
+        f"checkpoints already on disk are intact")
+    assert list((run_dir / "checkpoints").iterdir()) == []
+
+
+@needs_dev_full
+def test_a_full_disk_at_a_rank_log_stops_every_rank_with_a_checkpoint_in_one_line(
+        tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    _logs_on_a_full_disk(run_dir, "logs/rank1.log")
+    line = _last_line(_app(run_dir, "devices=2"))
+    step = int(re.search(r"at step (\d+) ", line)[1])  # (rank 0 hears of it a step late)
+    assert line.startswith(
+        f"rank 1 failed: WriteFailed: {run_dir}/logs/rank1.log could not be written (No space "
+        f"left on device): the run stopped at step {step} with a checkpoint; free some space "
+        f"(or fix the mount), then run again with hydra.run.dir={run_dir} to resume")
+    assert load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"] == step

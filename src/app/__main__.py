@@ -14,11 +14,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from app import logfile
 from app.compose_errors import after_hydras_report
 from app.conf_dir import config_dir
 from app.config import register_schemas, to_app_config
 from app.env import enter, reproducible_matmuls, this_process
-from app.errors import AppError, Interrupted, RunDirInUse, UserError, one_line
+from app.errors import AppError, Interrupted, RunDirInUse, UserError, WriteFailed, one_line
 from app.from_run import apply_run
 from app.launch.plan import spawns_workers
 from app.launch.run import launch
@@ -78,6 +79,10 @@ def main(dict_cfg: DictConfig) -> float | None:
         if spawns_workers(cfg, env):
             prestart(cfg)  # a worker server imports torch while this process does the same
         result = launch(cfg, run_dir, env)
+        # A log file that failed (a full disk) stops a training loop (app.training.stop); a
+        # job without one, or a failure after it, ends here.
+        if (failed := logfile.failure()) is not None:
+            raise WriteFailed(f"{failed}: the job completed, its log is incomplete")
         # Before result.json says so: a stop signal once that file says "completed" (the
         # test's cue) must not kill the process. (A sweep's next job has not begun: it may stop.)
         if not sweep:

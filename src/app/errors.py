@@ -34,6 +34,15 @@ class Interrupted(AppError):
         self.exit_code = 128 + signum  # what a shell reports for a process ended by signum
 
 
+class StoppedByPeer(Interrupted):
+    """A rank stopped at the step every rank agreed on because another rank failed there (its
+    log file could not be written): a stop, so that the failed rank's error is the run's."""
+
+    def __init__(self, message: str) -> None:
+        AppError.__init__(self, message)
+        self.signum, self.exit_code = None, 1
+
+
 class WorkerFailed(AppError):
     """A worker process raised or died; the message names the rank and the cause. Its exit
     status is the cause's when that was a user's mistake (2): a script that tells bad input

@@ -7,6 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
+from app.logfile import LogFile
+
 FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 FAILURE_LOGGER = "app.failure"
 
@@ -36,12 +38,11 @@ def setup_rank_logging(run_dir: Path, rank: int, keep_handlers: bool) -> None:
         root.handlers = []
         if rank == 0:
             console = ConsoleHandler(sys.stdout)
-            train_log = logging.FileHandler(run_dir / "train.log")
+            train_log = LogFile(run_dir / "train.log")
             for handler in (console, train_log):
                 handler.setFormatter(logging.Formatter(FORMAT))
                 root.addHandler(handler)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    own = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    own = LogFile(run_dir / "logs" / f"rank{rank}.log")
     own.setFormatter(logging.Formatter(FORMAT))
     root.addHandler(own)
     root.setLevel(logging.INFO)
