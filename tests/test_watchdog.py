@@ -92,31 +92,36 @@ def test_before_every_rank_has_done_its_first_step_only_a_silent_rank_is_judged(
     assert judge(peers, 100.0, STALL) is None
     first = Peer(1, moved_at=0.0, heard_at=0.0)
     for ticks, armed in ((1, False), (2, True)):  # armed once its first step is done
-        first.update({"ticks": ticks, "beat": ticks, "step": None, "host": "h", "pid": 1,
-                      "waiting": False, "done": False}, 1.0)
+        first.update({"ticks": ticks, "beat": ticks, "step": None, "place": "training",
+                      "host": "h", "pid": 1, "waiting": False, "done": False}, 1.0)
         assert first.armed is armed
 
 
 def test_a_rank_writing_a_checkpoint_makes_progress() -> None:
-    """A large torch.save and its fsync tick nothing while they run: `busy` is progress."""
+    """A large torch.save and its fsync tick nothing while they run: `busy` is progress (a
+    rank stopped in a write was never judged: the job waited for distributed.timeout_s)."""
     peer = Peer(0, moved_at=0.0, heard_at=0.0)
-    record = {"ticks": 5, "beat": 1, "step": 3, "host": "h", "pid": 1, "waiting": False,
-              "done": False}
+    record = {"ticks": 5, "beat": 1, "step": 3, "place": "training", "host": "h", "pid": 1,
+              "waiting": False, "done": False}
     peer.update(record, 1.0)
     peer.update({**record, "beat": 2, "busy": True}, 50.0)  # the same ticks, but writing
     assert peer.moved_at == 50.0
+    # Unless it stopped in the write: its record stays, but it is no longer heard.
+    peer.update({**record, "beat": 2, "busy": True}, 50.0 + STALL)
+    assert peer.moved_at == 50.0 and peer.silent(50.0 + STALL, STALL)
     with progress.busy():
-        assert json.loads(watchdog.Watchdog(0, 2, STALL, Path("r"), print)._record(0))["busy"]
+        record = watchdog.Watchdog(0, 2, STALL, Path("r"), print)._record()
+        assert record["busy"] and record["place"] == "writing a checkpoint"
 
 
 def test_a_rank_waiting_for_a_requeue_counts_as_ended() -> None:
     """A Slurm requeue: rank 0 requeues, the others sleep until Slurm ends them; not a stall
     (stall_timeout_s may be below stop.REQUEUE_WAIT_S)."""
     dog = watchdog.Watchdog(1, 2, STALL, Path("r"), print)
-    assert not json.loads(dog._record(0))["done"]
+    assert not dog._record()["done"]
     try:
         progress.leave()
-        assert json.loads(dog._record(0))["done"]
+        assert dog._record()["done"]
     finally:
         progress._left = False
 
@@ -168,7 +173,8 @@ def test_the_verdict_names_rank_host_pid_and_steps() -> None:
     peers = [_peer(0, moved=STALL, heard=0, waiting=True, step=12),
              _peer(1, moved=STALL, heard=STALL, waiting=False, step=11)]
     line = describe(peers, judge(peers, 100.0, STALL), 100.0, STALL, Path("/runs/a"))
-    assert line.startswith("rank 1 on host node1 (pid 1001, last published step 11, not running")
+    assert line.startswith("rank 1 on host node1 (pid 1001, last seen training after step 11, "
+                           "not running")
     assert "while the other ranks waited at step 12" in line
     assert "distributed.stall_timeout_s=10" in line and "/runs/a/logs/rank{N}.stacks" in line
 
@@ -230,8 +236,8 @@ def test_a_stopped_rank_ends_the_job_named_with_every_stack(tmp_path) -> None:
     # (30 minutes, distributed.timeout_s, before the watchdog)
     message = _stalled_run(run_dir, "trainer.max_epochs=400", "distributed.stall_timeout_s=5",
                            stop_rank_1=True)
-    line = re.search(r"rank 1 on host (\S+) \(pid \d+, last published step (\d+), not running.*",
-                     message)
+    line = re.search(r"rank 1 on host (\S+) \(pid \d+, last seen training after step (\d+), "
+                     r"not running.*", message)
     assert line, message
     assert line[1] == socket.gethostname()
     trained = max(int(r["step"]) for r in read_metrics(run_dir))
@@ -244,8 +250,8 @@ def test_a_rank_in_a_dead_loop_ends_the_job_named(tmp_path) -> None:
     run_dir = tmp_path / "run"
     message = _stalled_run(run_dir, "model._target_=faults.FaultyCNN", "+model.fault=hang",
                            "distributed.stall_timeout_s=5", "distributed.timeout_s=600")
-    assert re.search(r"rank 1 on host \S+ \(pid \d+, last published step \d+\) has made no "
-                     r"progress for 5 s while the other ranks waited", message), message
+    assert re.search(r"rank 1 on host \S+ \(pid \d+, last seen training after step \d+\) has made "
+                     r"no progress for 5 s while the other ranks waited", message), message
     assert "rank 0 on host" not in message
     stacks = (run_dir / "logs" / "rank1.stacks").read_text()
     assert "faults.py" in stacks  # where it sleeps
@@ -260,10 +266,28 @@ def test_a_rank_stopped_before_its_first_step_ends_the_job_named(tmp_path) -> No
     message = _stalled_run(run_dir, "model._target_=faults.FaultyCNN", "+model.fault=stop",
                            "+model.fault_call=1", "distributed.stall_timeout_s=5",
                            "distributed.timeout_s=600")
-    assert re.search(r"rank 1 on host \S+ \(pid \d+, before its first step, not running: "
+    assert re.search(r"rank 1 on host \S+ \(pid \d+, last seen before its first step, not running: "
                      r"stopped\?\) has made no progress for 5 s", message), message
     assert "rank 0 on host" not in message
     assert "faults.py" in (run_dir / "logs" / "rank1.stacks").read_text()  # woken to write it
+
+
+@pytest.mark.parametrize(("rank", "place", "step"), [(0, "training", 5), (1, "validating", 22)])
+def test_a_stopped_rank_is_named_with_its_host_pid_step_and_place(tmp_path, rank, place,
+                                                                   step) -> None:
+    """Rank 0 too, whose process serves the store the records go through (the others judge it
+    by its silence); and a rank stopped in validation, after the step it validates. Before,
+    both were "before its first step", rank 0 even on host ? with pid None."""
+    run_dir = tmp_path / "run"
+    message = _stalled_run(run_dir, "model._target_=stalls.StopsItself",
+                           f"+model.stop_rank={rank}", f"+model.stop_step={step}",
+                           f"+model.stop_in={place}", "distributed.stall_timeout_s=5",
+                           "distributed.timeout_s=600")
+    assert re.search(rf"rank {rank} on host {re.escape(socket.gethostname())} \(pid "
+                     rf"{_pid_of_rank(run_dir, rank)}, last seen {place} after step {step}, "
+                     r"not running: stopped\?\) has made no progress for 5 s", message), message
+    assert f"rank {1 - rank} on host" not in message
+    assert "stalls.py" in (run_dir / "logs" / f"rank{rank}.stacks").read_text()  # (woken)
 
 
 def _torchrun_rank_pid(run_dir: Path, rank: int) -> int | None:
@@ -297,8 +321,8 @@ def test_a_stopped_rank_under_torchrun_ends_the_job_at_once_in_one_line(tmp_path
     finally:
         proc.kill()  # (torchrun's agent ends its ranks)
     assert proc.returncode != 0, output[-3000:]
-    lines = re.findall(r".*rank 1 on host \S+ \(pid \d+, (?:last published step \d+|before its "
-                       r"first step), not running.*waited at step (\d+).*", output)
+    lines = re.findall(r".*rank 1 on host \S+ \(pid \d+, last seen (?:\D+ after step \d+|before "
+                       r"its first step), not running.*waited at step (\d+).*", output)
     assert len(lines) == 1, output[-3000:]
     # (torchrun's own report of the failed rank has a traceback of torchrun's: not the app's)
     assert "Error executing job" not in output, output[-3000:]

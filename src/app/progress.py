@@ -7,6 +7,7 @@ launcher.
 wait for the other ranks that has no torch.distributed frame of its own: with NCCL a
 collective only queues work and returns, and the host waits for a slow rank later, at the
 next sync point (an asynchronous handle's `wait()`, `.item()`, `bool(tensor)`).
+`validating()` and `busy()` also say where the rank is, which the verdict names.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 _ticks = 0
 _left = False
 _run: Any = None  # whose `step` the training loop keeps current (`follow`)
-_inside = {"busy": 0, "waiting": 0}
+_inside = {"busy": 0, "waiting": 0, "validating": 0}
 stalled = threading.Event()  # this rank knows the verdict: it makes no more progress
 
 
@@ -50,6 +51,7 @@ def _inside_of(phase: str) -> Iterator[None]:
 
 busy = functools.partial(_inside_of, "busy")
 waiting = functools.partial(_inside_of, "waiting")
+validating = functools.partial(_inside_of, "validating")
 
 
 def in_wait() -> bool:
@@ -70,5 +72,13 @@ def follow(run: Any) -> None:
 
 def record() -> dict[str, Any]:
     """What the watchdog publishes of this rank's progress."""
-    return {"ticks": _ticks, "step": getattr(_run, "step", None), "busy": _inside["busy"] > 0,
-            "left": _left}
+    return {"ticks": _ticks, "step": getattr(_run, "step", None), "place": _place(),
+            "busy": _inside["busy"] > 0, "left": _left}
+
+
+def _place() -> str:
+    """What the rank does after its last step (a checkpoint may be written in the background
+    while the loop trains on: the write is named, the rank's likeliest place to stop in)."""
+    if _inside["validating"]:
+        return "validating"
+    return "writing a checkpoint" if _inside["busy"] else "training"

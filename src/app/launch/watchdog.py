@@ -1,10 +1,12 @@
 """The stall watchdog: a rank that stops making progress while the others wait for it ends the
-job in one line naming it (host, pid, last step), with every rank's stacks in
-`logs/rank{N}.stacks`, instead of holding the job for distributed.timeout_s. PyTorch's own
-guards (the process group's timeout, NCCL's Flight Recorder) name a collective, not a rank.
+job in one line naming it (host, pid, where it was: training, validating or writing a
+checkpoint, after which step), with every rank's stacks in `logs/rank{N}.stacks`, instead of
+holding the job for distributed.timeout_s. PyTorch's own guards (the process group's timeout,
+NCCL's Flight Recorder) name a collective, not a rank.
 
-A thread per rank publishes its app.progress record about once a second to the rendezvous store
-and reads the others'; a second thread judges them (a store call hangs while its server is
+A thread per rank publishes its app.progress record to the rendezvous store when it changes
+(at most ten times an interval) and at least once an interval (a second), and reads the
+others' once an interval; a second thread judges them (a store call hangs while its server is
 stopped). The first rank to find a stall writes the verdict there; then every rank writes its
 stacks and exits, and none makes progress (`progress.tick()` blocks).
 """
@@ -69,6 +71,7 @@ class Peer:
     ticks: int = -1
     beat: int = -1
     step: int | None = None
+    place: str = "training"  # (app.progress.record)
     host: str = "?"
     pid: int | None = None
     waiting: bool = False
@@ -79,11 +82,14 @@ class Peer:
         return now - self.heard_at >= stall_s
 
     def update(self, record: dict[str, Any], now: float) -> None:
-        if record["ticks"] != self.ticks or record.get("busy"):  # (a checkpoint being written)
+        heard = record["beat"] != self.beat
+        # A checkpoint being written is progress while the rank is heard (a rank stopped in a
+        # write leaves that record behind).
+        if record["ticks"] != self.ticks or heard and record.get("busy"):
             self.moved_at = now
-        if record["beat"] != self.beat:
+        if heard:
             self.heard_at = now
-        for name in ("ticks", "beat", "step", "host", "pid", "waiting", "done"):
+        for name in ("ticks", "beat", "step", "place", "host", "pid", "waiting", "done"):
             setattr(self, name, record[name])
         self.armed = record["ticks"] >= 2
 
@@ -105,10 +111,20 @@ def judge(peers: list[Peer], now: float, stall_s: float) -> list[Peer] | None:
     return [p for p in running if p.silent(now, stall_s) or not p.waiting]
 
 
+def where(peer: Peer) -> str:
+    """Where `peer` was last seen: training, validating or writing a checkpoint, after which
+    step (none: trainer=eval), or before its first step (building its data, loading a
+    checkpoint, compiling)."""
+    if peer.step is None and peer.place != "validating" or peer.step == 0 and \
+            peer.place == "training":
+        return "before its first step"
+    return peer.place if peer.step is None else f"{peer.place} after step {peer.step}"
+
+
 def describe(peers: list[Peer], culprits: list[Peer], now: float, stall_s: float,
              run_dir: Path, waited: str = "while the other ranks waited") -> str:
-    """The one line that ends a stalled job. A rank's step is the last one it published (up to
-    a second old); the step the others wait at says where it stopped."""
+    """The one line that ends a stalled job. A rank's place is the last one it published (at
+    most a tenth of an interval before it stopped); the step the others wait at says more."""
     end = (f"the job was ended (distributed.stall_timeout_s={stall_s:g}); every rank's Python "
            f"stack is in {run_dir / 'logs'}/rank{{N}}.stacks")
     if not culprits:
@@ -116,9 +132,8 @@ def describe(peers: list[Peer], culprits: list[Peer], now: float, stall_s: float
                 f"(ranks that called different collectives?): {end}")
     parts = []
     for p in culprits:
-        where = "before its first step" if p.step is None else f"last published step {p.step}"
         state = ", not running: stopped?" if p.silent(now, stall_s) else ""
-        parts.append(f"rank {p.rank} on host {p.host} (pid {p.pid}, {where}{state})")
+        parts.append(f"rank {p.rank} on host {p.host} (pid {p.pid}, last seen {where(p)}{state})")
     steps = sorted({p.step for p in peers if p not in culprits and p.step is not None})
     if steps:
         waited += f" at step {steps[0]}" if len(steps) == 1 else f" at steps {steps[0]}-{steps[-1]}"
@@ -157,16 +172,21 @@ class Watchdog:
         self.stop_event.set()
         self.threads[0].join(timeout=2 * self.interval + 1)
 
-    def _record(self, beat: int) -> str:
+    def _record(self) -> dict[str, Any]:
         mine = progress.record()
         frame = sys._current_frames().get(threading.main_thread().ident)
-        return json.dumps({**mine, "beat": beat, "host": self.host, "pid": self.pid,
-                           "done": self.stop_event.is_set() or mine["left"],
-                           "waiting": waits_for_others(frame)})
+        return {**mine, "host": self.host, "pid": self.pid,
+                "done": self.stop_event.is_set() or mine["left"],
+                "waiting": waits_for_others(frame)}
 
     def _publish(self) -> None:
         """The store thread: publish this rank's record (and its verdict, unless one was given),
-        read the others' records, or the verdict (then no more calls: its server may end)."""
+        read the others' records, or the verdict (then no more calls: its server may end).
+
+        A stopped rank is named by the record it published last, so a changed record goes out
+        within a tenth of an interval. The others' are read once an interval (each rank reads
+        every record), but those of the rank that serves the store (once it stops nothing can
+        be read) and of ranks not yet seen (their host and pid) as often."""
         try:  # a connection of this thread's own to the store every rank met at
             env = this_process()
             store = tdist.PrefixStore(  # (torchrun's agent keeps its store across restarts)
@@ -176,28 +196,39 @@ class Watchdog:
         except Exception as e:
             log.info("no store to watch the ranks' progress with (%s): no stall watchdog", e)
             return
-        beat, seen, leave_by = 0, set(), None
+        beat, seen, leave_by, sent, read_at = 0, set(), None, None, 0.0
+        server = [self.store_rank] if self.store_rank not in (None, self.rank) else []
         while True:
             if self.stop_event.is_set() and leave_by is None:
                 leave_by = time.monotonic() + 2 * self.interval + 1
-            server = self.peers[self.store_rank or 0]
-            if self.store_rank is not None and server.rank != self.rank and \
-                    server.host == self.host and server.pid and _status(server.pid) in (
+            serving = self.peers[self.store_rank or 0]
+            if self.store_rank is not None and serving.rank != self.rank and \
+                    serving.host == self.host and serving.pid and _status(serving.pid) in (
                         psutil.STATUS_DEAD, psutil.STATUS_ZOMBIE):
                 return  # a store call to a server that is gone prints a C++ warning each time
             try:
-                store.set(str(self.rank), self._record(beat))
-                if self.proposal is not None:
-                    store.compare_set("verdict", "", self.proposal)
-                if store.check(["verdict"]):
-                    self.verdict = json.loads(store.get("verdict"))
-                    progress.stalled.set()  # from now on this rank makes no progress
-                    return
-                seen |= {r for r in range(self.world_size) if r not in seen
-                         and store.check([str(r)])}
-                values = store.multi_get([str(r) for r in sorted(seen)])
+                mine, now = self._record(), time.monotonic()
+                # (Leaving: the store's server reads the others' goodbyes as they come.)
+                full = now >= read_at or len(seen) < self.world_size or leave_by is not None
+                if full or mine != sent:
+                    beat += 1
+                    store.set(str(self.rank), json.dumps({**mine, "beat": beat}))
+                    sent = mine
+                ranks = [r for r in server if r in seen]
+                if full:
+                    read_at = now + self.interval
+                    if self.proposal is not None:
+                        store.compare_set("verdict", "", self.proposal)
+                    if store.check(["verdict"]):
+                        self.verdict = json.loads(store.get("verdict"))
+                        progress.stalled.set()  # from now on this rank makes no progress
+                        return
+                    seen |= {r for r in range(self.world_size) if r not in seen
+                             and store.check([str(r)])}
+                    ranks = sorted(seen)
+                values = store.multi_get([str(r) for r in ranks]) if ranks else []
                 self.io_ok_at = time.monotonic()
-                for r, value in zip(sorted(seen), values, strict=True):
+                for r, value in zip(ranks, values, strict=True):
                     self.peers[r].update(json.loads(value), self.io_ok_at)
             except Exception as e:  # a store gone at the end of the job; judged by the clock
                 log.debug("watchdog store call failed: %s", e)
@@ -205,8 +236,7 @@ class Watchdog:
             if leave_by is not None and (self.rank != self.store_rank or time.monotonic() >
                                          leave_by or all(p.done for p in self.peers)):
                 return
-            beat += 1
-            self.stop_event.wait(self.interval)
+            self.stop_event.wait(self.interval / 10)
 
     def _judge(self) -> None:
         last = time.monotonic()
@@ -219,6 +249,10 @@ class Watchdog:
             last = now
             if self.verdict is not None:
                 self._end(self.verdict)
+            # This rank's own place as it is (read back from the store it is up to an interval
+            # old, and the store may be stopped): the step the others wait at, in a verdict.
+            me, mine = self.peers[self.rank], progress.record()
+            me.step, me.place = mine["step"], mine["place"]
             # Rank 0's store silent: rank 0 is stalled (torchrun's agent's: blind, not stalled).
             if now - self.io_ok_at >= self.stall_s and self.store_rank not in (None, self.rank):
                 server = self.peers[self.store_rank]

@@ -24,16 +24,17 @@ def validate(
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     dtype = next(model.parameters()).dtype  # bf16 under precision=bf16-true
-    for x, y in _lockstep(loader, device) if model_is_sharded(model) else loader:
-        progress.tick()  # progress, for the stall watchdog
-        x, y = x.to(device, dtype, non_blocking=True), y.to(device, non_blocking=True)
-        logits = model(x)
-        totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
-        totals[1] += (logits.argmax(1) == y).sum()
-        totals[2] += y.numel()
-    model.train(was_training)
-    with progress.waiting():  # (with NCCL the host waits for the others at .tolist())
-        loss_sum, correct, count = dist.all_reduce_sum(totals).tolist()
+    with progress.validating():  # (the place a stall verdict names)
+        for x, y in _lockstep(loader, device) if model_is_sharded(model) else loader:
+            progress.tick()  # progress, for the stall watchdog
+            x, y = x.to(device, dtype, non_blocking=True), y.to(device, non_blocking=True)
+            logits = model(x)
+            totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
+            totals[1] += (logits.argmax(1) == y).sum()
+            totals[2] += y.numel()
+        model.train(was_training)
+        with progress.waiting():  # (with NCCL the host waits for the others at .tolist())
+            loss_sum, correct, count = dist.all_reduce_sum(totals).tolist()
     return {"loss": loss_sum / count, "acc": correct / count}, int(count)
 
 
