@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import (
     BIG,
     HELPERS,
@@ -40,17 +42,31 @@ def _same_run(reference: Path, run_dir: Path) -> None:
     assert read_metrics(run_dir) == read_metrics(reference)
 
 
-def test_a_checkpoint_taken_mid_epoch_resumes_exactly(tmp_path) -> None:
-    reference = run_job(tmp_path / "reference", *THREE, user_code=HELPERS).run_dir
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    return run_job(tmp_path_factory.mktemp("three") / "reference", *THREE,
+                   user_code=HELPERS).run_dir
+
+
+@pytest.mark.parametrize("graph", [[], ["distributed.static_graph=true"]],
+                         ids=["ddp", "static-graph"])
+def test_a_checkpoint_taken_mid_epoch_resumes_exactly(reference, tmp_path, graph) -> None:
+    # (static_graph=true: DDP records the order of the gradients in its second backward)
+    if graph:
+        reference = run_job(tmp_path / "reference", *THREE, *graph, user_code=HELPERS).run_dir
     source = reference / "checkpoints" / "step-00000010.pt"  # epoch 2, its third step
     assert len(load_state(source)["rng"]) == 3
-    resumed = run_job(tmp_path / "resumed", *THREE, f"resume={source}", user_code=HELPERS).run_dir
+    resumed = run_job(tmp_path / "resumed", *THREE, *graph, f"resume={source}",
+                      user_code=HELPERS).run_dir
     assert_same_weights(reference / "checkpoints" / "last.pt", resumed / "checkpoints" / "last.pt")
     after = [r for r in read_metrics(reference) if int(r["step"]) > 10]
     assert [r for r in read_metrics(resumed) if int(r["step"]) > 10] == after
 
-    # SIGTERM to the launcher, which passes it on: the ranks stop at a step they agree on
-    # with a checkpoint, and the same command again continues from it.
+
+def test_a_sigterm_to_the_launcher_stops_with_a_checkpoint_and_resumes_exactly(reference,
+                                                                              tmp_path) -> None:
+    # The launcher passes it on: the ranks stop at a step they agree on with a checkpoint,
+    # and the same command again continues from it.
     run_dir = tmp_path / "interrupted"
     proc = subprocess.Popen(
         [sys.executable, "-m", "app", f"hydra.run.dir={run_dir}", *THREE], cwd=REPO,

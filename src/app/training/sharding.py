@@ -143,14 +143,16 @@ def settle_buckets(ddp: nn.Module, dataset: Dataset, device: torch.device, preci
     all-reduce adds the ranks' values, and with three ranks or more that order shows in the
     last bits: a resumed run's first step, in the first layout, differed from the same step
     of the run it continues, in the regrouped one (two ranks add commutatively). One
-    backward on two samples, before the loop, regroups them; its effects are undone (the
-    buffers it updated, such as BatchNorm's statistics, the random states the samples and
-    the forward drew on) and its gradients dropped."""
+    backward on two samples, before the loop, regroups them (two with static_graph=true,
+    whose first backward records no order); their effects are undone (the buffers they
+    updated, such as BatchNorm's statistics, the random states the samples and the forward
+    drew on) and their gradients dropped."""
     model, random_states = ddp.module, rng_state()
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     x, _ = default_collate([dataset[i] for i in range(min(2, len(dataset)))])
     dtype = torch.bfloat16 if precision == "bf16-true" else None
-    ddp(x.to(device, dtype=dtype)).float().sum().backward()
+    for _ in range(2 if ddp.static_graph else 1):
+        ddp(x.to(device, dtype=dtype)).float().sum().backward()
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
