@@ -3,7 +3,8 @@
 After Hydra's own report (exit status 1, before the task function runs), `python -m app`
 composes the same overrides once more with Hydra's compose API to hold the exception, and adds
 one line where Hydra's words leave the user looking: where a config file is not valid YAML,
-the nearest key to a misspelt one (or a moved key's new name), the nearest option of a group.
+the nearest key to a misspelt one (or a moved key's new name), the nearest option of a group,
+the file of a group option that is not a mapping.
 The exit status is then 2, bad input. Nothing is composed again once a job started, nor
 with HYDRA_FULL_ERROR=1 (Hydra raises, its traceback left alone).
 """
@@ -13,13 +14,14 @@ from __future__ import annotations
 import difflib
 import inspect
 import sys
+from pathlib import Path
 
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
 from hydra.utils import get_object
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from app.conf_dir import config_dir
@@ -97,7 +99,7 @@ def addition(error: BaseException, overrides: list[str]) -> str | None:
     cause = error.__cause__ or error.__context__  # (a config file's key: raised without from)
     if isinstance(cause, ConfigKeyError | ConfigAttributeError):
         return _key_line(cause, overrides)
-    return None
+    return _list_option_line(overrides)
 
 
 def _option_line(error: MissingConfigException, overrides: list[str]) -> str | None:
@@ -134,6 +136,31 @@ def _key_line(cause: Exception, overrides: list[str]) -> str | None:
     shown = f"={value}" if value is not None else ""  # an argument the node leaves out
     return (f"{name}: did you mean +{path}{near[0]}{rest}{shown}? ({parent['_target_']} "
             f"takes {near[0]}; the config does not set it, so it takes a +)")
+
+
+def _list_option_line(overrides: list[str]) -> str | None:
+    """`FILE: GROUP=NAME is a list ...` for a key set under a group option whose file holds a
+    list: OmegaConf fails inside (a ValueError, a TypeError), and Hydra's report is a traceback
+    that names neither the file nor the key."""
+    keys = [a.lstrip("+~").partition("=")[0] for a in overrides]
+    under = {k for k in keys if "." in k and not k.startswith("hydra.")}
+    try:  # (composed without those keys, to see what the options are)
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = compose("config", overrides=[a for a, k in zip(overrides, keys, strict=True)
+                                               if k not in under], return_hydra_config=True)
+    except Exception:
+        return None
+    choices = cfg.hydra.runtime.choices
+    for group, _, rest in (k.partition(".") for k in sorted(under)):
+        if choices.get(group) and isinstance(cfg.get(group), ListConfig) and \
+                not rest.split(".")[0].isdigit():  # (an item by its index is fine)
+            name = choices[group]
+            path = next((p for s in cfg.hydra.runtime.config_sources if s.schema == "file"
+                         and (p := Path(s.path, group, f"{name}.yaml")).is_file()),
+                        f"{group}/{name}")
+            return (f"{path}: {group}={name} is a list at its top level; a config group "
+                    f"option must be a mapping (`key: value` lines)")
+    return None
 
 
 def _arguments(node: DictConfig) -> list[str]:
