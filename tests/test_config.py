@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import operator
 
 import pytest
 import torch
@@ -133,6 +134,9 @@ def test_wrong_enum_fails_at_compose(override: str) -> None:
                                    "to 4294967295"),
     (["seed=4294967296"], "seed=4294967296"),
     (["seed=-1"], "seed=-1"),
+    # (an OverflowError in a rank, exit 1: timedelta and gloo count seconds in 64 bits)
+    (["distributed.timeout_s=1e300"], "distributed.timeout_s=1e+300: expected a finite number "
+                                      "> 0 and <= 1000000000"),
 ])
 def test_validate_names_the_key(overrides: list[str], words: str) -> None:
     with pytest.raises(UserError) as err:
@@ -158,9 +162,11 @@ def _edges(whole: bool, bounds: dict[str, float]) -> tuple[list, list]:
 
     outside, inside = ([1.5, True] if whole else [math.nan]), []
     for op, n in bounds.items():
-        outside.append(step(n, -1) if op == "ge" else n)
-        inside.append({"ge": n, "gt": step(n, 1), "lt": step(n, -1)}[op])
-    return outside, inside
+        outside.append({"ge": step(n, -1), "le": step(n, 1)}.get(op, n))
+        inside.append({"ge": n, "gt": step(n, 1), "lt": step(n, -1), "le": n}[op])
+    # (just inside one bound, within the others: `< inf` and `<= 1e9` together)
+    within = {"ge": operator.ge, "gt": operator.gt, "lt": operator.lt, "le": operator.le}
+    return outside, [v for v in inside if all(within[op](v, n) for op, n in bounds.items())]
 
 
 def _with(cfg: AppConfig, key: str, value) -> AppConfig:

@@ -55,8 +55,8 @@ WandbMode = _choice("WandbMode", "online", "offline", "disabled")
 
 
 def _bound(default: Any, **bounds: float) -> Any:
-    """A field that `validate` keeps within `bounds` (ge, gt, lt: pydantic's names); OmegaConf
-    leaves a field's metadata out of the config."""
+    """A field that `validate` keeps within `bounds` (ge, gt, lt, le: pydantic's names);
+    OmegaConf leaves a field's metadata out of the config."""
     return field(default=default, metadata={"bounds": bounds})
 
 
@@ -114,7 +114,9 @@ class DistributedConfig:
     strategy: Strategy = Strategy("ddp")
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     backend: Backend = Backend("auto")
-    timeout_s: float = _bound(1800.0, gt=0, lt=math.inf)  # seconds: finite (nan never elapses)
+    # Seconds: finite (nan never elapses), and at most 1e9 (31 years): gloo counts it in
+    # 64-bit microseconds, timedelta stops at 8.6e13 s (1e300 was an OverflowError in a rank).
+    timeout_s: float = _bound(1800.0, gt=0, lt=math.inf, le=10**9)
     stall_timeout_s: float | None = _bound(600.0, gt=0, lt=math.inf)  # null: no watchdog
     start_method: StartMethod = StartMethod("forkserver")
     set_device_rank: bool = True
@@ -255,7 +257,8 @@ def register_schemas() -> None:
                 package="data")
 
 
-_COMPARE = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "lt": (operator.lt, "<")}
+_COMPARE = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "lt": (operator.lt, "<"),
+            "le": (operator.le, "<=")}
 
 
 def _check_fields(node: Any, schema: type, path: str = "") -> None:
