@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from app.errors import UserError
 from conftest import HELPERS, TINY, read_metrics, run_job
 
 mlflow = pytest.importorskip("mlflow")  # (an optional extra; `make install` installs it)
@@ -68,6 +69,22 @@ def test_the_store_defaults_to_the_runs_folder(tmp_path, monkeypatch) -> None:
     assert (tmp_path / "outputs" / "mlflow.db").is_file()
     assert not list(elsewhere.iterdir()) and not (tmp_path / "mlruns").exists()
     assert os.getcwd() == str(tmp_path)
+
+
+@pytest.mark.parametrize("store", ["file://{}", "{}"])
+def test_a_file_store_that_mlflow_refuses_is_one_line(tmp_path, monkeypatch, store) -> None:
+    """The store of older MLflow docs (a folder, `file://DIR`), which MLflow 3 refuses: it was
+    MLflow's exception and a 52-line traceback, exit 1."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uri = store.format(tmp_path / "mlruns")
+    with pytest.raises(UserError) as err:
+        run_job(tmp_path / "run", *TINY, "trainer.max_steps=1", "logger=mlflow",
+                f"logger.mlflow_uri={uri}")
+    assert str(err.value) == (
+        f"logger.mlflow_uri={uri}: a file store, which MLflow {mlflow.__version__} no longer "
+        f"opens: give a database, e.g. logger.mlflow_uri=sqlite:///{tmp_path / 'mlruns.db'} "
+        "(or set MLFLOW_ALLOW_FILE_STORE=true)")
+    assert err.value.exit_code == 2
 
 
 def test_a_resumed_run_continues_its_wandb_run_offline(tmp_path) -> None:

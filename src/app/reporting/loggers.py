@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,17 @@ class MLflowLogger:
             # Artifacts beside the database, not in ./mlruns of wherever the run started.
             artifacts = (store / "mlartifacts").as_uri()
         mlflow.set_tracking_uri(uri)
-        if mlflow.get_experiment_by_name(config.mlflow_experiment) is None:
+        try:
+            known = mlflow.get_experiment_by_name(config.mlflow_experiment) is not None
+        except mlflow.exceptions.MlflowException as e:
+            if _file_store_refused(uri):
+                local = Path(urllib.parse.urlparse(uri).path).resolve()
+                raise UserError(
+                    f"logger.mlflow_uri={uri}: a file store, which MLflow {mlflow.__version__} "
+                    f"no longer opens: give a database, e.g. logger.mlflow_uri=sqlite:///"
+                    f"{local.with_suffix('.db')} (or set MLFLOW_ALLOW_FILE_STORE=true)") from e
+            raise
+        if not known:
             mlflow.create_experiment(config.mlflow_experiment, artifact_location=artifacts)
         mlflow.set_experiment(config.mlflow_experiment)
         id_file = run_dir / ".mlflow_run_id"
@@ -129,6 +140,16 @@ class MLflowLogger:
         status = "FINISHED" if error is None else "KILLED" if isinstance(error, (
             Interrupted, KeyboardInterrupt)) else "FAILED"
         self.mlflow.end_run(status=status)
+
+
+def _file_store_refused(uri: str) -> bool:
+    """Whether MLflow refuses `uri` for being a file store (a folder, `file://`: the store of
+    older MLflow docs), as MLflow 3 does unless MLFLOW_ALLOW_FILE_STORE is set."""
+    try:
+        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+    except ImportError:  # (an MLflow before 3: file stores are fine)
+        return False
+    return not MLFLOW_ALLOW_FILE_STORE.get() and urllib.parse.urlparse(uri).scheme in ("", "file")
 
 
 class WandbLogger:
