@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from PIL import Image
 
 from app.data import ImageFolder, transforms
 from app.errors import DataItemError, UserError
-from conftest import HELPERS, assert_same_weights, load_state, read_metrics, run_job
+from conftest import HELPERS, REPO, assert_same_weights, load_state, read_metrics, run_job
 
 sys.path.insert(0, str(HELPERS))
 from images import CLASSES, corrupt, make_image_folder  # noqa: E402
@@ -194,6 +195,23 @@ def test_linked_folders_are_followed_once_and_a_loop_is_named(tmp_path) -> None:
     (root / first / "loop").symlink_to(root)
     with pytest.raises(UserError, match=f"{first}/loop links to .*a loop; remove the link"):
         _data(root)
+
+
+def test_a_path_with_a_space_and_a_non_ascii_letter_works_quoted_as_documented(tmp_path) -> None:
+    """docs/data.md's command, Hydra's quotes inside the shell's, on such a folder. Unquoted,
+    Hydra's grammar refuses the `ö`."""
+    from app.compose_errors import compose_error
+
+    [command] = [line for line in (REPO / "docs" / "data.md").read_text().splitlines()
+                 if line.startswith("python -m app") and "'data.root=\"" in line]
+    words = shlex.split(command.replace("PATH", str(tmp_path)))  # (as the shell passes them)
+    root = tmp_path / "Fotos 2024" / "Größe"
+    assert f'data.root="{root}"' in words
+    make_image_folder(root, per_class=4)
+    assert compose_error(["data=image_folder", f"data.root={root}"]) is not None
+    job = run_job(tmp_path / "run", *words[words.index("app") + 1:], *SMALL,
+                  "trainer.max_steps=1")
+    assert f"data.root={root}: 3 classes" in job.output, job.output
 
 
 def test_bad_options_are_named(folder) -> None:
