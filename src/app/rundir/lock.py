@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from app.env import ProcessEnv, this_process
 from app.errors import LockHeld, RunDirInUse
 from app.rundir import record as run_record
+from app.rundir.writable import check
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ def claim_for_run(config: DictConfig) -> None:
               "one under outputs/", file=sys.stderr)
         sys.exit(2)
     run_dir = Path(os.path.abspath(config.hydra.run.dir))
+    check(run_dir)  # (Hydra's report of a directory it cannot write is a traceback)
     if claim_for_job(run_dir, config.get("machine_rank", 0)):
         run_record.keep(run_dir)  # (a command that fails before it trains puts it back)
     elif run_dir in _claimed:

@@ -25,6 +25,7 @@ from app.env import this_process
 from app.reporting.curves import draw_curves
 from app.reporting.results import RESULT, read_metrics, read_result
 from app.rundir.lock import claim_for_job, claim_for_run, refused
+from app.rundir.writable import check
 from app.signals import stop_signals_stop_nothing
 from app.sweeps.plots import draw_summary
 
@@ -170,6 +171,7 @@ class SweepSummary(Callback):
             print("hydra.sweep.dir is empty: give the sweep's directory, or leave it out for "
                   "a new one under outputs/multirun/", file=sys.stderr)
             sys.exit(2)
+        check(Path(os.path.abspath(config.hydra.sweep.dir)), "sweep directory")
         refuse_other_values(config, log)
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from app.checkpoint.rng import RandomStates
 from app.checkpoint.sharded import OptimizerState, Weights
 from app.config import AppConfig
 from app.data import DataModule
-from app.errors import Interrupted, UserError
+from app.errors import UserError
 from app.reporting.curves import draw_curves
 from app.reporting.loggers import MetricLogger
 from app.rundir.name import resume_hint
@@ -141,9 +140,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                     losses.flush()  # never a checkpoint of weights a non-finite loss made
                     checkpoints.save(val_metrics, is_best, last=done or stopping)
                 if stopping:
-                    stopped = Interrupted(
-                        f"stopped by signal {signal.Signals(stop.signal).name} at step "
-                        f"{state.step}; checkpoint saved: {resume_hint(run_dir)}", stop.signal)
+                    stopped = stop.stopped(state.step, resume_hint(run_dir))
                     report.end_trackers(stopped)  # (a requeue ends every process of the job)
                     stop.requeue()  # when a job system asked for it (submitit on SLURM)
                     raise stopped
