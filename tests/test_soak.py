@@ -1,8 +1,9 @@
-"""Soak (slow): consecutive short devices=2 runs, each interrupted by SIGTERM or SIGKILL to the
+"""Soak (slow): consecutive short devices=3 runs, each interrupted by SIGTERM or SIGKILL to the
 launching process at a random moment and resumed until done. Every run reaches the weights
 and metrics of an uninterrupted run; no process of an interrupted run outlives it (workers
 are children of the forkserver, not of the launcher: they must notice on their own), and no
-shared-memory segment is left behind."""
+shared-memory segment is left behind. Three ranks: with two, the order in which the ranks'
+gradients are added cannot show (two floats add commutatively)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 from conftest import REPO, TINY, assert_ok, assert_same_weights, read_metrics, run_app
 
 RUNS = 30
-SOAK = [*TINY, "devices=2", "trainer.max_epochs=2", "trainer.ckpt_every_n_steps=4",
+SOAK = [*TINY, "devices=3", "trainer.max_epochs=2", "trainer.ckpt_every_n_steps=4",
         "trainer.ckpt_every_n_epochs=null"]
 
 
@@ -93,5 +94,5 @@ def test_interrupted_runs_resume_to_the_same_weights_and_leave_nothing_behind(tm
     time.sleep(2)  # a segment another test creates and unlinks at once is not a leak
     leaked &= set(os.listdir("/dev/shm"))
     assert not leaked, f"shared memory left behind: {sorted(leaked)}"
-    print(f"soak: {interrupted} devices=2 runs interrupted ({codes}), all resumed to the "
+    print(f"soak: {interrupted} devices=3 runs interrupted ({codes}), all resumed to the "
           f"reference weights and metrics; no process or /dev/shm entry left")
