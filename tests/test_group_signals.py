@@ -30,6 +30,33 @@ def _when_both_ranks_build(proc: subprocess.Popen, marker: Path) -> None:
         time.sleep(0.05)
 
 
+# `python -m app`, with a Ctrl-C to its process group just as it starts the worker server.
+_CTRL_C_AS_THE_SERVER_STARTS = """
+import multiprocessing.util, os, runpy, signal, sys
+spawn = multiprocessing.util.spawnv_passfds
+def spawn_after_ctrl_c(path, args, passfds):
+    if "multiprocessing.forkserver" in str(args):
+        os.killpg(0, signal.SIGINT)
+    return spawn(path, args, passfds)
+multiprocessing.util.spawnv_passfds = spawn_after_ctrl_c
+sys.argv[0] = "app"
+runpy.run_module("app", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_as_the_worker_server_starts_stops_the_command(tmp_path) -> None:
+    """The launcher holds Ctrl-C (blocked, and ignored for the server to inherit) while it
+    starts the server; multiprocessing's start of its resource tracker in there unblocked it,
+    and the Ctrl-C was lost: the run trained to its end (2 of ~10 trials at start-up)."""
+    run_dir = tmp_path / "run"
+    proc = _in_a_group_of_its_own("-c", _CTRL_C_AS_THE_SERVER_STARTS,
+                                  f"hydra.run.dir={run_dir}", *TINY, "devices=2")
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "stopped by SIGINT (Ctrl-C)" in output, output[-3000:]
+    assert "Traceback" not in output and not (run_dir / "checkpoints").exists()
+
+
 def test_ctrl_c_before_the_workers_train_says_that_nothing_was_saved(tmp_path) -> None:
     """The workers, still building their data, stop with nothing to save, and the line says so
     (it said "the workers saved a checkpoint")."""

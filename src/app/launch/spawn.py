@@ -10,6 +10,7 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import re
 import shutil
@@ -54,6 +55,9 @@ def prestart(cfg: AppConfig) -> None:
     before, tempfile.tempdir = tempfile.tempdir, mine
     try:
         multiprocessing.util.get_temp_dir()  # (kept by multiprocessing unless it has one)
+        # Started first, out of the window below: starting it unblocks SIGINT, and a Ctrl-C
+        # then met SIG_IGN here and was lost (the run trained on).
+        multiprocessing.resource_tracker.ensure_running()
         # Ctrl-C ignored by the server, which imports torch before it sets its own handlers (a
         # Ctrl-C there printed a traceback), and blocked meanwhile here, where it stays pending
         # to be answered after (ignored, it was lost); its workers unblock it. The launcher
