@@ -73,6 +73,22 @@ def test_ctrl_c_before_the_workers_train_says_that_nothing_was_saved(tmp_path) -
     assert "Traceback" not in output and not (run_dir / "checkpoints").exists()
 
 
+def test_ctrl_c_to_workers_that_cannot_answer_it_says_that_nothing_was_saved(tmp_path) -> None:
+    """Ranks busy in C as they build their data die of the launcher's SIGTERM, with no record
+    of their end: the line said "not every rank reached the step they agreed to stop at"."""
+    run_dir, marker = tmp_path / "run", tmp_path / "building"
+    proc = _in_a_group_of_its_own(
+        "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "devices=2",
+        "data._target_=busy_setup.BusyDigits", "+data.rounds=3000000", f"+data.marker={marker}")
+    _when_both_ranks_build(proc, marker)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "stopped by SIGINT, but no checkpoint was saved at the stop (the workers had not " \
+           "begun training); there is no checkpoint yet" in output, output[-3000:]
+    assert "Traceback" not in output and not (run_dir / "checkpoints").exists()
+
+
 def test_sigterm_to_torchrun_ranks_before_training_records_the_run_as_interrupted(
         tmp_path) -> None:
     """A rank still building its data ends as a process of its own would, with the run's

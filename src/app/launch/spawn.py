@@ -160,8 +160,12 @@ def _outcome(cfg: AppConfig, run_dir: Path, procs: list, received: list[int], ki
                                f"{resume_hint(run_dir)}", sig)
         if cfg.trainer.mode != Mode.trainval:
             return Interrupted(said, sig)
+        # A rank ended before its loop by our SIGTERM (it was in a call into C, where the
+        # signal's Python handler waits) recorded nothing: it died of it (the loop takes it).
+        unrecorded = [p.exitcode for i, p in enumerate(procs) if base_rank + i not in ended]
+        before_loop = stopped or (unrecorded and all(c == -signal.SIGTERM for c in unrecorded))
         why = cause["error"] if stall else f"rank(s) {stuck} did not stop and were killed" \
-            if killed else "the workers had not begun training" if stopped and not steps \
+            if killed else "the workers had not begun training" if before_loop and not steps \
             else "not every rank reached the step they agreed to stop at"
         return Interrupted(f"{said}, but no checkpoint was saved at the stop ({why}); {last}", sig)
     # The cause: a stalled rank (the others ended because of it), a worker that died of a
