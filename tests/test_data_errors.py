@@ -21,9 +21,10 @@ def test_a_worker_killed_during_a_batch_fetch_is_named(monkeypatch) -> None:
     # re-raises it as it is (a flaky ConnectionResetError traceback in CI, once).
     monkeypatch.setattr(signal_handling, "_SIGCHLD_handler_set", False)
     previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    others = set(multiprocessing.active_children())  # (an earlier test's, in this process)
     batches = iter(Loader(TensorDataset(torch.zeros(64, 3)), batch_size=4, num_workers=1))
     next(batches)
-    worker, = multiprocessing.active_children()
+    worker, = set(multiprocessing.active_children()) - others
 
     def fetch_fails(*args, **kwargs):
         threading.Timer(0.3, os.kill, (worker.pid, signal.SIGKILL)).start()

@@ -284,8 +284,10 @@ def test_a_stopped_rank_is_named_with_its_host_pid_step_and_place(tmp_path, rank
                            f"+model.stop_in={place}", "distributed.stall_timeout_s=5",
                            "distributed.timeout_s=600")
     assert re.search(rf"rank {rank} on host {re.escape(socket.gethostname())} \(pid "
-                     rf"{_pid_of_rank(run_dir, rank)}, last seen {place} after step {step}, "
-                     r"not running: stopped\?\) has made no progress for 5 s", message), message
+                     rf"{_pid_of_rank(run_dir, rank)}, last seen {place} after step {step}"
+                     # (a rank heard from until it stopped may be judged before it is silent)
+                     r"(, not running: stopped\?)?\) has made no progress for 5 s", message), \
+        message
     assert f"rank {1 - rank} on host" not in message
     assert "stalls.py" in (run_dir / "logs" / f"rank{rank}.stacks").read_text()  # (woken)
 
