@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from app.launch import ends
 from conftest import HELPERS, REPO, TINY
 
@@ -57,29 +59,19 @@ def test_ctrl_c_as_the_worker_server_starts_stops_the_command(tmp_path) -> None:
     assert "Traceback" not in output and not (run_dir / "checkpoints").exists()
 
 
-def test_ctrl_c_before_the_workers_train_says_that_nothing_was_saved(tmp_path) -> None:
-    """The workers, still building their data, stop with nothing to save, and the line says so
-    (it said "the workers saved a checkpoint")."""
+@pytest.mark.parametrize("data", [
+    # Still building their data in Python: they stop with nothing to save, and the line says
+    # so (it said "the workers saved a checkpoint").
+    ["data._target_=faults.SlowDigits", "+data.setup_s=60"],
+    # Busy in C: they die of the launcher's SIGTERM with no record of their end (the line
+    # said "not every rank reached the step they agreed to stop at").
+    ["data._target_=busy_setup.BusyDigits", "+data.rounds=3000000"],
+], ids=["python", "in-c"])
+def test_ctrl_c_before_the_workers_train_says_that_nothing_was_saved(tmp_path, data) -> None:
     run_dir, marker = tmp_path / "run", tmp_path / "building"
     proc = _in_a_group_of_its_own(
-        "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "devices=2",
-        "data._target_=faults.SlowDigits", "+data.setup_s=60", f"+data.marker={marker}")
-    _when_both_ranks_build(proc, marker)
-    os.killpg(proc.pid, signal.SIGINT)
-    output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
-    assert "stopped by SIGINT, but no checkpoint was saved at the stop (the workers had not " \
-           "begun training); there is no checkpoint yet" in output, output[-3000:]
-    assert "Traceback" not in output and not (run_dir / "checkpoints").exists()
-
-
-def test_ctrl_c_to_workers_that_cannot_answer_it_says_that_nothing_was_saved(tmp_path) -> None:
-    """Ranks busy in C as they build their data die of the launcher's SIGTERM, with no record
-    of their end: the line said "not every rank reached the step they agreed to stop at"."""
-    run_dir, marker = tmp_path / "run", tmp_path / "building"
-    proc = _in_a_group_of_its_own(
-        "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "devices=2",
-        "data._target_=busy_setup.BusyDigits", "+data.rounds=3000000", f"+data.marker={marker}")
+        "-m", "app", f"hydra.run.dir={run_dir}", *TINY, "devices=2", *data,
+        f"+data.marker={marker}")
     _when_both_ranks_build(proc, marker)
     os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
