@@ -62,11 +62,11 @@ def _rank_peak(runs: list) -> Stat:
 
 def _hashed_gbps(file: Path, algorithm: str) -> float:
     """GB/s of hashing `file` with `algorithm`: the app's CRC-32, or one of hashlib's."""
-    from app.checkpoint import sharded
+    from app.checkpoint import checksums
 
     start = time.perf_counter()
     if algorithm == "crc32":
-        sharded.checksum(file)
+        checksums.checksum(file)
     else:
         digest = hashlib.new(algorithm)
         with open(file, "rb") as f:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.checkpoint import sharded
+from app.checkpoint import checksums, sharded
 from app.ckpt import convert
 from app.errors import UserError
 from conftest import TINY, run_job
@@ -36,7 +36,7 @@ def test_a_crafted_index_is_refused_before_it_runs_anything(tmp_path) -> None:
 
     (evil / ".metadata").write_bytes(pickle.dumps(Payload()))
     # (Whoever crafts an index can write its checksum too: the reader refuses it still.)
-    sharded.write_checksums(evil, [".metadata", "meta.pt"], sharded.CHECKSUMS)
+    checksums.write_checksums(evil, [".metadata", "meta.pt"], checksums.CHECKSUMS)
     with pytest.raises(UserError, match=r"refused: its index \(.metadata\) names "
                                         r"(posix|os)\.system.*nothing was run"):
         layout.load(evil)
