@@ -179,6 +179,14 @@ def test_the_verdict_names_rank_host_pid_and_steps() -> None:
     assert "distributed.stall_timeout_s=10" in line and "/runs/a/logs/rank{N}.stacks" in line
 
 
+def test_a_culprit_stopped_since_its_last_record_is_woken_for_its_stacks() -> None:
+    """A rank that stopped ticking (a validation), then stopped outright, is judged before it is
+    silent: it is woken all the same (its stacks file stayed empty)."""
+    dog = watchdog.Watchdog(0, 2, STALL, Path("r"), print)
+    culprit = _peer(1, moved=STALL, heard=0, waiting=False)
+    assert dog._verdict("line", [culprit])["wake"] == [[1, "node1", 1001]]
+
+
 def test_what_counts_as_waiting_for_the_other_ranks() -> None:
     def frame(name: str, path: str) -> SimpleNamespace:
         return SimpleNamespace(f_code=SimpleNamespace(co_name=name, co_filename=path))
@@ -236,8 +244,9 @@ def test_a_stopped_rank_ends_the_job_named_with_every_stack(tmp_path) -> None:
     # (30 minutes, distributed.timeout_s, before the watchdog)
     message = _stalled_run(run_dir, "trainer.max_epochs=400", "distributed.stall_timeout_s=5",
                            stop_rank_1=True)
-    line = re.search(r"rank 1 on host (\S+) \(pid \d+, last seen training after step (\d+), "
-                     r"not running.*", message)
+    # (the stop may land in a validation: 400 epochs of a few steps each)
+    line = re.search(r"rank 1 on host (\S+) \(pid \d+, last seen (?:training|validating) after "
+                     r"step (\d+), not running.*", message)
     assert line, message
     assert line[1] == socket.gethostname()
     trained = max(int(r["step"]) for r in read_metrics(run_dir))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -21,8 +22,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
 from hydra.utils import get_object
-from omegaconf import DictConfig, ListConfig
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+from omegaconf import DictConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError
 
 from app.conf_dir import config_dir
 from app.config import register_schemas, renamed
@@ -99,7 +100,7 @@ def addition(error: BaseException, overrides: list[str]) -> str | None:
     cause = error.__cause__ or error.__context__  # (a config file's key: raised without from)
     if isinstance(cause, ConfigKeyError | ConfigAttributeError):
         return _key_line(cause, overrides)
-    return _list_option_line(overrides)
+    return _list_option_line(error, overrides)
 
 
 def _option_line(error: MissingConfigException, overrides: list[str]) -> str | None:
@@ -138,29 +139,26 @@ def _key_line(cause: Exception, overrides: list[str]) -> str | None:
             f"takes {near[0]}; the config does not set it, so it takes a +)")
 
 
-def _list_option_line(overrides: list[str]) -> str | None:
-    """`FILE: GROUP=NAME is a list ...` for a key set under a group option whose file holds a
-    list: OmegaConf fails inside (a ValueError, a TypeError), and Hydra's report is a traceback
-    that names neither the file nor the key."""
-    keys = [a.lstrip("+~").partition("=")[0] for a in overrides]
-    under = {k for k in keys if "." in k and not k.startswith("hydra.")}
-    try:  # (composed without those keys, to see what the options are)
+def _list_option_line(error: BaseException, overrides: list[str]) -> str | None:
+    """`FILE: GROUP=NAME is a list ...` for a group option whose file holds a list (the typed
+    `model`, `data`, ... nodes refuse it in composition): Hydra's report names the option but
+    only says that OmegaConf cannot merge a DictConfig with a ListConfig."""
+    option = re.match(r"In '(\w+)/([^']+)'", str(error))
+    cause = error.__cause__ or error.__context__
+    if not option or not isinstance(cause, ConfigTypeError) or "ListConfig" not in str(cause):
+        return None
+    group, name = option.groups()
+    try:  # (composed without that group's overrides, to see where the config files are)
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            cfg = compose("config", overrides=[a for a, k in zip(overrides, keys, strict=True)
-                                               if k not in under], return_hydra_config=True)
+            cfg = compose("config", overrides=[
+                a for a in overrides if not re.match(rf"[+~]*{group}[.=]", a)],
+                return_hydra_config=True)
     except Exception:
         return None
-    choices = cfg.hydra.runtime.choices
-    for group, _, rest in (k.partition(".") for k in sorted(under)):
-        if choices.get(group) and isinstance(cfg.get(group), ListConfig) and \
-                not rest.split(".")[0].isdigit():  # (an item by its index is fine)
-            name = choices[group]
-            path = next((p for s in cfg.hydra.runtime.config_sources if s.schema == "file"
-                         and (p := Path(s.path, group, f"{name}.yaml")).is_file()),
-                        f"{group}/{name}")
-            return (f"{path}: {group}={name} is a list at its top level; a config group "
-                    f"option must be a mapping (`key: value` lines)")
-    return None
+    path = next((p for s in cfg.hydra.runtime.config_sources if s.schema == "file"
+                 and (p := Path(s.path, group, f"{name}.yaml")).is_file()), f"{group}/{name}")
+    return (f"{path}: {group}={name} is a list at its top level; a config group option must "
+            f"be a mapping (`key: value` lines)")
 
 
 def _arguments(node: DictConfig) -> list[str]:

@@ -163,10 +163,10 @@ class AppConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     predict: PredictConfig = field(default_factory=PredictConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    model: Any = None
-    data: Any = None
-    optimizer: Any = None
-    scheduler: Any = None
+    model: dict[str, Any] | None = None
+    data: dict[str, Any] | None = None
+    optimizer: dict[str, Any] | None = None
+    scheduler: dict[str, Any] | None = None
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> `_target_` node (or null)
     accelerator: Accelerator = Accelerator("auto")
     device_id: int | None = _bound(None, ge=0)

@@ -259,18 +259,18 @@ class Watchdog:
                 server.heard_at = min(server.heard_at, now - self.stall_s)
                 self._end(self._verdict(describe(
                     self.peers, [server], now, self.stall_s, self.run_dir,
-                    "(its store did not answer either) while the others waited"), [server], now))
+                    "(its store did not answer either) while the others waited"), [server]))
             culprits = judge(self.peers, now, self.stall_s) if self.proposal is None else None
             if culprits is not None:
                 self.proposal = json.dumps(self._verdict(describe(
-                    self.peers, culprits, now, self.stall_s, self.run_dir), culprits, now))
+                    self.peers, culprits, now, self.stall_s, self.run_dir), culprits))
 
-    def _verdict(self, message: str, culprits: list[Peer], now: float) -> dict[str, Any]:
-        """Its id and time (the stacks files' headers), its line, the stopped ranks to wake."""
+    def _verdict(self, message: str, culprits: list[Peer]) -> dict[str, Any]:
+        """Its id and time (the stacks files' headers), its line, the ranks to wake if stopped
+        (one stopped since its last record may not be silent yet: it is woken all the same)."""
         return {"id": f"{time.time():.3f}-r{self.rank}", "message": message,
                 "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                "wake": [[p.rank, p.host, p.pid] for p in culprits
-                         if p.silent(now, self.stall_s)]}
+                "wake": [[p.rank, p.host, p.pid] for p in culprits]}
 
     def _end(self, verdict: dict[str, Any]) -> None:
         """Write the stacks, report the verdict, and exit once the others have read it (a rank
