@@ -1,9 +1,11 @@
 """`trainer=predict` (the older systems' demo): labels for validation samples or your own files.
 
 Inputs: the validation split (default), a `.npy` array of shape (N, H, W) or (N, C, H, W) of
-inputs as the model takes them (0 to 1 for digits; normalised for an image folder), or a
-folder of images, each seen as the data set sees its validation images (`decode_file`: the
-same decoding, view and normalisation). The pictures show inputs as they are (`show`).
+inputs as the model takes them (0 to 1 for digits; normalised for an image folder), an image,
+or a folder of images, each seen as the data set sees its validation images (`decode_file`:
+the same decoding, view and normalisation). A folder laid out as for training, one sub-folder
+per class and no images of its own, gives labelled images (scored, as the validation split
+is). The pictures show inputs as they are (`show`), the mistakes first.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from app.config import AppConfig
 from app.data import DataModule
@@ -90,6 +93,37 @@ def _warn_unless_in_range(x: torch.Tensor, data: DataModule, path: Path) -> None
                     float(x.max()), low, high)
 
 
+INVERTED = 0.75  # how far from the validation mean towards its inverse an input mean warns
+
+
+def _warn_if_inverted(mean: float, data: DataModule, source: str) -> None:
+    """Inputs whose mean lies near the validation data's inverted one (low + high - mean of
+    its range), or beyond it within the range: digits drawn dark on light where the model saw
+    light strokes on dark, labelled wrong at a high confidence. Not for data whose mean lies
+    near the middle of its range (inverting it hardly moves the mean: normalised photos), nor
+    for inputs out of the range (values unscaled: _warn_unless_in_range)."""
+    sample = next(iter(DataLoader(_spread(data.val, 64), batch_size=64)))[0].double()
+    low, high, usual = float(sample.min()), float(sample.max()), float(sample.mean())
+    gap = low + high - 2 * usual  # from the usual mean to the inverted one
+    if abs(gap) > 0.25 * (high - low) and (mean - usual) / gap > INVERTED \
+            and low <= mean <= high:
+        usual_look = "light on dark" if gap > 0 else "dark on light"  # (mostly dark: gap > 0)
+        look = "dark on light" if gap > 0 else "light on dark"
+        fix = f"{low + high:.4g} - x for each value" if source.endswith(".npy") else \
+            "255 - each pixel of 8-bit images"
+        log.warning("predict.input=%s: the inputs look inverted against the validation data "
+                    "(mean %.3g, where the validation data's is %.3g on a range of %.3g to "
+                    "%.3g): %s, where the model saw %s; their labels may mean nothing: invert "
+                    "them (%s) and predict again", source, mean, usual, low, high, look,
+                    usual_look, fix)
+
+
+def _spread(dataset, count: int) -> Subset:
+    """Up to `count` samples spread over the data set (its start may be all one class)."""
+    return Subset(dataset, sorted(set(np.linspace(0, len(dataset) - 1, count).round()
+                                      .astype(int).tolist())))
+
+
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor | None]]  # inputs, labels or None
 
 
@@ -102,12 +136,76 @@ class Inputs:
     batches: Callable[[int], Batches]
 
 
-def _files(files: list[Path], data: DataModule, source: Path) -> Inputs:
+def _files(files: list[Path], data: DataModule, source: Path,
+           labels: list[int] | None = None) -> Inputs:
     def batches(size: int) -> Batches:
         for start in range(0, len(files), size):
-            yield torch.stack([_decoded(f, data, source) for f in files[start:start + size]]), None
+            x = torch.stack([_decoded(f, data, source) for f in files[start:start + size]])
+            yield x, None if labels is None else torch.tensor(labels[start:start + size])
 
     return Inputs([str(f) for f in files], batches)
+
+
+def _images_in(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if is_image_name(p.name) and p.is_file())
+
+
+def _images_under(folder: Path) -> list[Path]:
+    """The images of a class folder, in its sub-folders too (as data=image_folder takes them;
+    hidden ones left out; links to folders not followed: one could lead back up, into the
+    other classes)."""
+    found = []
+    for parent, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [Path(parent, n) for n in names if is_image_name(n)]
+    return sorted(found)
+
+
+def _class_of(name: str, data: DataModule) -> int | None:
+    """A class folder's label: its name among the data's classes, or, where the classes have
+    no names (digits), a class index."""
+    if data.classes is not None:
+        return data.classes.index(name) if name in data.classes else None
+    return int(name) if name.isascii() and name.isdigit() and int(name) < data.num_classes \
+        else None
+
+
+def _listed(names: list[str], most: int = 12) -> str:
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
+def _warn_of_class_folders(path: Path, data: DataModule) -> None:
+    """A folder with images of its own is predicted as before, its sub-folders left out: said
+    when some are class folders of images (taking them too would mix labelled and unlabelled
+    inputs, and a sub-folder of other photos, named by no class, would stop the run)."""
+    left_out = [d.name for d in sorted(path.iterdir()) if d.is_dir()
+                and not d.name.startswith(".") and _class_of(d.name, data) is not None
+                and _images_under(d)]
+    if left_out:
+        log.warning("predict.input=%s: its own images are predicted, unlabelled; its class "
+                    "folders (%s) are left out: to have those predicted and scored, move the "
+                    "images beside them out, or give a folder of class folders only", path,
+                    _listed(left_out))
+
+
+def _by_class(path: Path, data: DataModule) -> Inputs | None:
+    """The images of a folder of class folders, each labelled by its folder (None: no
+    sub-folder holds an image)."""
+    found = {d.name: _images_under(d) for d in sorted(path.iterdir())
+             if d.is_dir() and not d.name.startswith(".")}
+    found = {name: files for name, files in found.items() if files}
+    if not found:
+        return None
+    strays = [name for name in found if _class_of(name, data) is None]
+    if strays:
+        classes = _listed(data.classes) if data.classes is not None else \
+            f"the class indices 0 to {data.num_classes - 1}"
+        raise UserError(f"predict.input={path}: the sub-folder(s) {_listed(strays)} name no "
+                        f"class of the data ({classes}); name each folder of images by their "
+                        f"class")
+    files = [f for name in found for f in found[name]]
+    labels = [_class_of(name, data) for name in found for _ in found[name]]
+    return _files(files, data, path, labels)
 
 
 def _decoded(file: Path, data: DataModule, source: Path) -> torch.Tensor:
@@ -129,13 +227,19 @@ def load_inputs(source: str | None, data: DataModule) -> Inputs:
         names = [str(f) for f in files] if files else [f"val[{i}]" for i in range(len(data.val))]
         return Inputs(names, lambda size: iter(DataLoader(data.val, batch_size=size)))
     path = Path(source)
-    if path.is_dir() or path.is_file() and is_image_name(path.name):
-        files = sorted(p for p in path.iterdir() if is_image_name(p.name) and p.is_file()) \
-            if path.is_dir() else [path]
-        if not files:
+    if path.is_dir():
+        files = _images_in(path)
+        if files:
+            _warn_of_class_folders(path, data)
+            return _files(files, data, path)
+        labelled = _by_class(path, data)
+        if labelled is None:
             raise UserError(f"predict.input={path}: no images "
-                            f"({', '.join(sorted(IMAGE_SUFFIXES))})")
-        return _files(files, data, path)
+                            f"({', '.join(sorted(IMAGE_SUFFIXES))}), in it or in sub-folders "
+                            f"named by class")
+        return labelled
+    if path.is_file() and is_image_name(path.name):
+        return _files([path], data, path)
     if path.is_file() and path.suffix == ".npy":
         x = _from_npy(path, data.input_shape)
         _warn_unless_in_range(x, data, path)
@@ -154,14 +258,29 @@ def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | 
     model, _ = build_trained_model(cfg, data)
     model.to(device)
     inputs = load_inputs(cfg.predict.input, data)
-    names, probs, targets, drawn = inputs.names, [], [], []
+    names, probs, targets = inputs.names, [], []
+    seen, total, count = 0, 0.0, 0  # inputs so far; the sum and number of their values
+    num_show = cfg.predict.num_show
+    # The picture's inputs: the first num_show mistakes, then the first right ones (all "right"
+    # where no labels say otherwise): at most 2 x num_show kept, however many inputs there are.
+    shown = {True: ([], []), False: ([], [])}  # wrong, right: (indices, inputs)
     for x, y in inputs.batches(data.val_batch_size):
         probs.append(model(x.to(device)).softmax(1).cpu())
         targets += [] if y is None else [torch.as_tensor(y)]
-        drawn.append(x[:max(0, cfg.predict.num_show - sum(map(len, drawn)))])
+        wrong = torch.zeros(len(x), dtype=torch.bool) if y is None \
+            else probs[-1].max(1).indices != targets[-1]
+        for kind, (indices, kept) in shown.items():
+            at = torch.nonzero(wrong == kind).flatten()[:num_show - sum(map(len, indices))]
+            indices.append(at + seen)
+            kept.append(x[at])
+        seen += len(x)
+        total, count = total + float(x.double().sum()), count + x.numel()
+    if cfg.predict.input is not None:
+        _warn_if_inverted(total / count, data, cfg.predict.input)
     confidence, preds = torch.cat(probs).max(1)
     y = torch.cat(targets) if targets else None
-    x = torch.cat(drawn)  # (the first predict.num_show inputs: the picture's)
+    order = torch.cat(shown[True][0] + shown[False][0])[:num_show]
+    x = torch.cat(shown[True][1] + shown[False][1])[:num_show]
     table = io.StringIO(newline="")
     writer = csv.writer(table)
     classes = data.classes
@@ -174,12 +293,17 @@ def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | 
             row += [classes[int(preds[i])], "" if y is None else classes[label]]
         writer.writerow(row)
     write_text_atomically(run_dir / "predictions.csv", table.getvalue())
-    labels = None if y is None else y[:len(x)].tolist()
-    accuracy = None if y is None else (preds == y).double().mean().item()
-    title = f"{Path(str(cfg.ckpt)).name}: {len(names)} inputs" + (
-        "" if accuracy is None else f", accuracy {accuracy:.2%} (green right, red wrong)")
-    save_grid(data.show(x), preds[:len(x)].tolist(), labels, title,
-              run_dir / "predictions.png", classes=data.classes)
+    title = f"{Path(str(cfg.ckpt)).name}: {len(names)} inputs"
+    accuracy = None
+    if y is not None:
+        accuracy = (preds == y).double().mean().item()
+        num_wrong = int((preds != y).sum())
+        title += (f", accuracy {accuracy:.2%}: {num_wrong} wrong"
+                  f"{' (red, shown first)' if num_wrong else ''}, {len(names) - num_wrong} "
+                  f"right (green)")
+    save_grid(data.show(x), preds[order].tolist(), None if y is None else y[order].tolist(),
+              title, run_dir / "predictions.png", classes=classes,
+              indices=None if y is None else order.tolist())
     log.info("predicted %d inputs -> %s, %s%s", len(names), run_dir / "predictions.csv",
              run_dir / "predictions.png",
              "" if accuracy is None else f"; accuracy {accuracy:.4f}")

@@ -70,31 +70,50 @@ def _fitted(text: str, font: ImageFont.ImageFont, width: float) -> str:
     return text + "..."
 
 
+def _title_lines(title: str, font: ImageFont.ImageFont, width: float) -> list[str]:
+    """`title` in lines of `width` pixels, broken between words: two at most (the band's
+    room), the second shortened if need be (a narrow grid, of a few images, cut its ends)."""
+    lines = [""]
+    for word in title.split(" "):
+        joined = f"{lines[-1]} {word}".lstrip(" ")
+        if font.getlength(joined) <= width or not lines[-1]:
+            lines[-1] = joined
+        else:
+            lines.append(word)
+    return [lines[0], _fitted(" ".join(lines[1:]), font, width)] if len(lines) > 1 else lines
+
+
 def save_grid(
     images: torch.Tensor, preds: list[int], labels: list[int] | None, title: str, path: Path,
-    classes: list[str] | None = None,
+    classes: list[str] | None = None, indices: list[int] | None = None,
 ) -> None:
     """Up to COLUMNS images a row, each under "pred P" (or "pred P / true T": green when
-    right, red when wrong; P and T the `classes`' names where the data has them), the title
-    above. The title and each cell's label also go into the PNG's text fields (Title,
+    right, red when wrong; P and T the `classes`' names where the data has them; "#I " first
+    with `indices`, each image's number among the inputs, where they are not in order), the
+    title above. The title and each cell's label also go into the PNG's text fields (Title,
     Description), for tools to read."""
     n = len(images)
     cols = max(1, min(COLUMNS, n))
     rows = max(1, math.ceil(n / cols))
     picture = Image.new("RGB", (CELL[0] * cols, CELL[1] * rows + TITLE_H), "white")
     draw = ImageDraw.Draw(picture)
-    draw.text((picture.width / 2, 16), title, fill="black", anchor="mm",
-              font=ImageFont.load_default(size=14))
+    title_font = ImageFont.load_default(size=14)
+    for row, line in enumerate(_title_lines(title, title_font, picture.width - 16)):
+        draw.text((picture.width / 2, 16 + 18 * row), line, fill="black", anchor="mm",
+                  font=title_font)
     cells = []
     for i in range(n):
         left, top = (i % cols) * CELL[0], TITLE_H + (i // cols) * CELL[1]
         name = (lambda c: classes[c]) if classes else str  # a class's name, else its index
-        cell = f"pred {name(preds[i])}" + ("" if labels is None else f" / true {name(labels[i])}")
+        number = "" if indices is None else f"#{indices[i]} "
+        cell = f"{number}pred {name(preds[i])}" + (
+            "" if labels is None else f" / true {name(labels[i])}")
         cells.append(cell)  # (whole, in the PNG's text: drawn, it may be an index or shortened)
         font = next((f for f in _fonts(12) if _draws(f, cell)), None)  # the first that can
         if font is None:  # no font here draws these names: their indices, not boxes
             font = _fonts(12)[0]
-            cell = f"pred #{preds[i]}" + ("" if labels is None else f" / true #{labels[i]}")
+            cell = f"{number}pred #{preds[i]}" + (
+                "" if labels is None else f" / true #{labels[i]}")
         color = "black" if labels is None else GREEN if preds[i] == labels[i] else RED
         draw.text((left + CELL[0] / 2, top + LABEL_H / 2 - 4), _fitted(cell, font, CELL[0] - 8),
                   fill=color, anchor="mm", font=font)
