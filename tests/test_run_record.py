@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from app.rundir.record import RECORD
+from app.sweeps.summary import job_summary
 from conftest import HELPERS, TINY, assert_ok, run_app
 
 
@@ -22,6 +23,12 @@ def test_a_refused_command_leaves_the_run_s_record_as_it_was(tmp_path) -> None:
     first = assert_ok(run_app(run_dir, *TINY, "trainer.max_epochs=1"))
     assert first.output.rstrip().endswith(f"run directory: {run_dir}")  # (where to look)
     before = _record(run_dir)
+    # The same command again: nothing to train, and the run's record and wall time stay the
+    # training's (before, result.json said 2.4 s of a 49 s run, app.runs show the sum).
+    again = assert_ok(run_app(run_dir, *TINY, "trainer.max_epochs=1"))
+    assert "nothing to train" in again.output and _record(run_dir) == before
+    summary, trained_s = job_summary(run_dir), json.loads(before["result.json"])["wall_s"]
+    assert (summary["wall_s"], summary["attempts"]) == (trained_s, 1)
     # Other model settings: the checkpoint does not fit, found by both ranks (the error is a rank's
     # own, not "rank 0 failed: WorkerFailed: rank 1 failed: ...").
     refused = run_app(run_dir, *TINY, "trainer.max_epochs=1", "model.channels=[4,8]",

@@ -87,8 +87,11 @@ def main(dict_cfg: DictConfig) -> float | None:
         # test's cue) must not kill the process. (A sweep's next job has not begun: it may stop.)
         if not sweep:
             stop_signals_stop_nothing()
+        # (A re-run of a completed run that trained nothing keeps the run's record: its wall
+        # time is the training's.)
         if record:
-            write_result(run_dir, "completed", time.monotonic() - started)
+            if not run_record.put_back(run_dir, completed_only=True):
+                write_result(run_dir, "completed", time.monotonic() - started)
             if not sweep:  # (a sweep prints its summary)
                 log.info("run directory: %s", run_dir)
     except BaseException as e:

@@ -31,23 +31,28 @@ class CSVLogger:
         self.path = path
         self.columns = list(KEY_COLUMNS)
         rows: list[dict[str, Any]] = []
+        kept = None
         if resume_step is not None and path.is_file():
             # A run killed while appending can leave a partial last line: it is dropped.
-            lines = path.read_text().splitlines(keepends=True)
+            with open(path, newline="") as f:  # (as written: csv's \r\n line ends)
+                kept = f.read()
+            lines = kept.splitlines(keepends=True)
             if lines and not lines[-1].endswith("\n"):
                 lines.pop()
             reader = csv.DictReader(lines)
             self.columns = list(reader.fieldnames or KEY_COLUMNS)
             rows = [r for r in reader if int(r["step"]) <= resume_step]
-        self._rewrite(rows)
+        self._rewrite(rows, kept)
 
-    def _rewrite(self, rows: list[dict[str, Any]]) -> None:
+    def _rewrite(self, rows: list[dict[str, Any]], kept: str | None = None) -> None:
         # Written aside and renamed: a kill mid-write leaves the previous table, not half of it.
         text = io.StringIO(newline="")
         writer = csv.DictWriter(text, fieldnames=self.columns)
         writer.writeheader()
         writer.writerows(rows)
-        write_text_atomically(self.path, text.getvalue())
+        # (The same table is left untouched: a re-run of a finished run changes nothing.)
+        if text.getvalue() != kept:
+            write_text_atomically(self.path, text.getvalue())
 
     def log(self, step: int, epoch: int, split: str, metrics: dict[str, float]) -> None:
         row = {"step": step, "epoch": epoch, "split": split, **metrics}

@@ -1,4 +1,5 @@
-"""A command that fails before it trains leaves the run's record as it was.
+"""A command that fails before it trains, or finds the run completed, leaves the run's record
+as it was.
 
 Hydra writes `.hydra/` before the run starts, and the owner writes `result.json` at its end: a
 command refused in a directory that holds a run (`hydra.run.dir=DIR model=other`: the checkpoint
@@ -11,6 +12,7 @@ the new command's record stands).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -20,6 +22,8 @@ from app.files import write_bytes_atomically
 
 log = logging.getLogger(__name__)
 
+# Its log record: app.sweeps.summary counts no wall time for such a command.
+TRAINED_NOTHING = "this command trained nothing"
 RECORD = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "result.json")
 
 # run directory -> (its record files' contents, the state of what training writes)
@@ -44,11 +48,19 @@ def keep(run_dir: Path) -> None:
         _kept[run_dir] = (files, _training_state(run_dir))
 
 
-def put_back(run_dir: Path) -> bool:
-    """After an error: restore the kept record if the command changed no checkpoint and no
-    metrics; whether it did."""
+def _status(result: bytes) -> object:
+    with contextlib.suppress(ValueError, AttributeError):
+        return json.loads(result).get("status")
+    return None
+
+
+def put_back(run_dir: Path, completed_only: bool = False) -> bool:
+    """After an error, or (`completed_only`) after a command that found the run it holds
+    completed already (a re-run: "nothing to train"): restore the kept record if the command
+    changed no checkpoint and no metrics; whether it did."""
     kept = _kept.pop(Path(os.path.abspath(run_dir)), None)
-    if kept is None or _training_state(run_dir) != kept[1]:
+    if kept is None or _training_state(run_dir) != kept[1] or completed_only and \
+            _status(kept[0].get("result.json", b"")) != "completed":
         return False
     try:
         for name in RECORD:
@@ -59,6 +71,6 @@ def put_back(run_dir: Path) -> bool:
     except (OSError, WriteFailed) as e:
         log.warning("the run's record could not be put back: %s", e)
         return False
-    log.info("this command trained nothing: %s keeps the record of the run it holds "
-             "(.hydra/, result.json)", run_dir)
+    log.info("%s: %s keeps the record of the run it holds (.hydra/, result.json)",
+             TRAINED_NOTHING, run_dir)
     return True

@@ -25,6 +25,7 @@ from app.env import this_process
 from app.reporting.curves import draw_curves
 from app.reporting.results import RESULT, read_metrics, read_result
 from app.rundir.lock import claim_for_job, claim_for_run, refused
+from app.rundir.record import TRAINED_NOTHING
 from app.rundir.writable import check
 from app.signals import stop_signals_stop_nothing
 from app.sweeps.plots import draw_summary
@@ -45,6 +46,7 @@ def wall_time(run_dir: Path, last_wall_s: float | None) -> tuple[float | None, i
     the records of train.log (their times are this machine's local time)."""
     path = run_dir / "train.log"
     spans: list[list[float]] = []
+    idle = set()  # the attempts that trained nothing (a refused command, a re-run of a run done)
     for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
         match = RECORD.match(line)
         if match is None:
@@ -53,6 +55,9 @@ def wall_time(run_dir: Path, last_wall_s: float | None) -> tuple[float | None, i
         if not spans or match[2].startswith(ATTEMPT):
             spans.append([at, at])
         spans[-1][1] = max(spans[-1][1], at)
+        if match[2].startswith(TRAINED_NOTHING):
+            idle.add(len(spans) - 1)
+    spans = [span for i, span in enumerate(spans) if i not in idle]
     if len(spans) <= 1:
         return last_wall_s, max(len(spans), last_wall_s is not None)
     earlier, (start, end) = sum(e - s for s, e in spans[:-1]), spans[-1]
