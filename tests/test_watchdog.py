@@ -369,3 +369,23 @@ def test_every_process_of_a_run_writes_its_stacks_on_the_dump_signal(tmp_path) -
         stacks = (run_dir / "logs" / f"{name}.stacks").read_text()
         assert "most recent call first" in stacks and where in stacks, stacks
     assert not (run_dir / "logs" / "rank0.stacks").exists()  # (no dump: no file)
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether the process has a handler for `sig` (Linux's /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return bool(int(re.search(r"SigCgt:\s*([0-9a-f]+)", status)[1], 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.skipif(DUMP_SIGNAL is None or not sys.platform.startswith("linux"),
+                    reason="real-time signals and /proc: Linux")
+def test_a_dump_asked_for_while_the_run_starts_goes_to_stderr(tmp_path) -> None:
+    """Before, the signal's default action ended the run as it imported torch (status 166)."""
+    proc = _start(tmp_path / "run", "devices=1", "trainer.max_epochs=1")
+    deadline = time.monotonic() + 60
+    while not _catches(proc.pid, DUMP_SIGNAL) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, DUMP_SIGNAL)  # (its first lines: Hydra and torch still to import)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    assert "most recent call first" in output and "__main__.py" in output, output[-3000:]

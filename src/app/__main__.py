@@ -1,4 +1,5 @@
 """`python -m app [overrides]`: compose conf/, validate, resolve once, launch."""
+# ruff: noqa: E402 (the stack-dump signal is taken before the slow imports)
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import os
 import sys
 import time
 from pathlib import Path
+
+from app.launch.stacks import stacks_to_stderr
+
+stacks_to_stderr()  # first: `kill -s RTMIN+4 PID` while the imports below run dumps, not kills
 
 import hydra
 from hydra.core.hydra_config import HydraConfig

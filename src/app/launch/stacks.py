@@ -1,6 +1,7 @@
 """A process's Python stacks on demand: `kill -s RTMIN+4 PID` writes the stacks of any app
-process that registered a file here (every rank, the launcher of spawned workers, a
-one-process run). The stall watchdog sends it to a stopped rank to collect its stacks."""
+process to the file it registered here (every rank, the launcher of spawned workers, a
+one-process run), or to stderr while it starts and ends (importing torch, composing the
+config). The stall watchdog sends it to a stopped rank to collect its stacks."""
 
 from __future__ import annotations
 
@@ -8,12 +9,21 @@ import contextlib
 import faulthandler
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 # Not SIGUSR1/SIGUSR2 (Slurm and submitit ask for a requeue with them), not SIGWINCH (every
 # terminal resize): a real-time signal, which no job system sends (macOS has none).
 DUMP_SIGNAL: int | None = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None
+
+
+def stacks_to_stderr() -> None:
+    """The dump signal writes to stderr (a real-time signal's default action ends the
+    process: a dump asked for as the run started killed it, exit status 166)."""
+    if DUMP_SIGNAL is not None and sys.__stderr__ is not None:
+        with contextlib.suppress(ValueError, OSError):  # (no file descriptor: not a terminal)
+            faulthandler.register(DUMP_SIGNAL, file=sys.__stderr__, all_threads=True)
 
 
 @contextlib.contextmanager
@@ -30,6 +40,6 @@ def stacks_on_signal(path: Path) -> Iterator[None]:
         try:
             yield
         finally:
-            faulthandler.unregister(DUMP_SIGNAL)
+            stacks_to_stderr()
             if os.fstat(file.fileno()).st_size == 0:
                 path.unlink(missing_ok=True)

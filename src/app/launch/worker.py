@@ -24,7 +24,7 @@ from app.env import ProcessEnv, enter, spawned
 from app.errors import AppError, Interrupted, UserError, WorkerFailed
 from app.launch import ends, watchdog
 from app.launch.rank_logs import FAILURE_LOGGER, setup_rank_logging
-from app.launch.stacks import stacks_on_signal
+from app.launch.stacks import stacks_on_signal, stacks_to_stderr
 from app.rundir.lock import hold_as_worker
 from app.training.data_errors import loader_worker_died
 from app.training.runtime import apply_runtime_flags
@@ -114,6 +114,7 @@ def run_rank(cfg: AppConfig, run_dir: Path, plan: Plan, me: ProcessEnv,
 def spawned_worker(local_rank: int, cfg: AppConfig, run_dir: Path, plan: Plan,
                    launcher_alive: Connection, results: Connection) -> None:
     """The target of each local worker process (torch.multiprocessing.start_processes)."""
+    stacks_to_stderr()  # (until run_rank registers its stacks file)
     signals.install(signal.default_int_handler, (signal.SIGINT,))  # (the server ignored it,
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked: app.launch.spawn)
     # This rank's loader workers are forked, as its children: with the start method a
