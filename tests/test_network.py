@@ -79,5 +79,8 @@ def test_a_multi_machine_run_listens_where_dist_url_says(tmp_path) -> None:
     finally:
         _stop(*machines)
     assert len(workers) == 2 and not still_alive(workers)
+    log = (tmp_path / "run" / "train.log").read_text()  # (before, 45 s of silence)
+    assert f"waiting for the other 1 machine(s) to join at tcp://127.0.0.1:{port}" in log, log
+    assert "every machine has joined: 2 ranks" in log, log
     assert ("127.0.0.1", port) in sockets, sockets
     assert all(ipaddress.ip_address(a).is_loopback for a, _ in sockets), sockets

@@ -95,6 +95,8 @@ def init(backend: str, url: str, rank: int, world_size: int, local_rank: int,
         [list(range(first, min(first + local_world_size, world_size)))
          for first in range(0, world_size, local_world_size)])
     _control_group = None if backend == "gloo" else tdist.new_group(backend="gloo")
+    if rank == 0 and world_size > local_world_size:
+        log.info("every machine has joined: %d ranks", world_size)
     log.debug("rank %d/%d joined (%s, %s)", rank, world_size, backend, url)
 
 

@@ -95,6 +95,10 @@ def spawn(cfg: AppConfig, run_dir: Path, plan: Plan) -> float | None:
     base_rank = cfg.machine_rank * devices
     log.info("starting %d workers (%s, ranks %d-%d of %d, rendezvous %s)", devices, method,
              base_rank, base_rank + devices - 1, devices * cfg.nodes, url)
+    if cfg.nodes > 1 and cfg.machine_rank == 0:  # (the rendezvous waits for them, silently)
+        log.info("waiting for the other %d machine(s) to join at %s: run the same command on "
+                 "each, with its machine_rank (1 to %d); distributed.timeout_s=%g", cfg.nodes - 1,
+                 url, cfg.nodes - 1, cfg.distributed.timeout_s)
     # Workers of a forkserver are its children, not ours, so PR_SET_PDEATHSIG cannot tell them
     # that this process died, and the server lives as long as they do: each worker instead
     # watches the read end of this pipe, which reaches end-of-file when we exit in any way.
