@@ -20,7 +20,7 @@ from pathlib import Path
 from conftest import REPO
 
 # What a build reads: the wheel is built from a copy, so the checkout gains no build/ folder.
-SOURCES = ["pyproject.toml", "setup.py", "README.md", "src", "conf"]
+SOURCES = ["pyproject.toml", "setup.py", "README.md", "src", "conf", "docs"]
 # -P (Python 3.11+): the working folder is not put on sys.path (it is an empty one anyway).
 SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
 
@@ -113,3 +113,9 @@ def test_installed_wheel_runs_from_another_folder(tmp_path):
         cwd=where, capture_output=True, text=True, timeout=300, env=_env())
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert list((where / "run").rglob("*.pt")), "the run left no checkpoint"
+    # --help names the reference of every key by a path the wheel has (not the README's).
+    shown = subprocess.run([str(python), *SAFE_PATH, "-m", "app", "--help"], cwd=where,
+                           capture_output=True, text=True, timeout=120, env=_env()).stdout
+    reference = Path(shown.rstrip().split()[-1])
+    assert reference.is_relative_to(tmp_path / "venv") and reference.name == "configuration.md"
+    assert "trainer.max_epochs" in reference.read_text(), shown[-500:]

@@ -1,5 +1,6 @@
 """Where `conf/` is: beside src/ for a checkout or an editable install (an edit takes effect
-at once), else the copy a built wheel carries as `app/conf` (setup.py maps it in)."""
+at once), else the copy a built wheel carries as `app/conf` (setup.py maps it in); and the
+reference of every key, docs/configuration.md, likewise."""
 
 from __future__ import annotations
 
@@ -8,9 +9,18 @@ from pathlib import Path
 _PACKAGE = Path(__file__).resolve().parent
 
 
+def _shipped(folder: str, file: str) -> Path:
+    repo = _PACKAGE.parents[1] / folder  # src/app -> the repository's top
+    if _PACKAGE.parent.name == "src" and (repo / file).is_file():
+        return repo
+    return _PACKAGE / folder
+
+
 def config_dir() -> Path:
     """The folder `python -m app` composes from (it holds config.yaml)."""
-    repo = _PACKAGE.parents[1] / "conf"  # src/app -> the repository's top
-    if _PACKAGE.parent.name == "src" and (repo / "config.yaml").is_file():
-        return repo
-    return _PACKAGE / "conf"
+    return _shipped("conf", "config.yaml")
+
+
+def reference() -> str:
+    """The page that explains every group and key (`python -m app --help` names it)."""
+    return str(_shipped("docs", "configuration.md") / "configuration.md")

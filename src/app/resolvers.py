@@ -1,9 +1,11 @@
-"""OmegaConf resolvers used in conf/: the run directory's name and SLURM resources."""
+"""OmegaConf resolvers used in conf/: the run directory's name, SLURM resources, the path of
+the reference page (--help)."""
 
 from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from app.conf_dir import reference
 from app.errors import UserError
 from app.rundir.name import run_name
 
@@ -22,6 +24,6 @@ def slurm_gpus_per_node(accelerator: str, devices: int | str) -> int | None:
 
 def register_resolvers() -> None:
     for name, fn in (("app_run_name", run_name), ("app_tasks_per_node", slurm_tasks_per_node),
-                     ("app_gpus_per_node", slurm_gpus_per_node)):
+                     ("app_gpus_per_node", slurm_gpus_per_node), ("app_reference", reference)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
