@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 # gets an install of its own instead of trusting the stamp of another.
 STAMP := .installed-$(shell $(PYTHON) -c "import sys, zlib; print(zlib.crc32(sys.prefix.encode()))" 2>/dev/null)
 
-.PHONY: help install run test test-slow test-gpu bench lint clean slurm-up slurm-down
+.PHONY: help install run test test-slow test-docs test-gpu bench lint clean slurm-up slurm-down
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -37,6 +37,10 @@ test: $(STAMP)  ## run the test suite
 # The four slow trials on two workers: 10 min against about 15 one at a time (docs/measurements.md).
 test-slow: $(STAMP)  ## the slow fault trials: SIGKILL during checkpoints, a soak, override fuzzing
 	$(PYTHON) -m pytest -m slow -n 2 -rP
+
+# Every page's commands, as a reader runs them (tests/test_docs_run.py); the pages side by side.
+test-docs: $(STAMP)  ## run every command of README.md and docs/ and check the output they quote
+	$(PYTHON) -m pytest -m docs -n 4 -rP
 
 test-gpu: $(STAMP)  ## the GPU lane, on a machine with CUDA (elsewhere each test skips, saying why)
 	$(PYTHON) -m pytest -rs -o addopts="" tests/test_gpu.py tests/test_models.py
