@@ -6,10 +6,11 @@ A page is run as a reader would run it: its ```bash blocks in order, each as one
 earlier block made. A ```text block right after a ```bash block is that block's output: each
 of its lines must be found in the output, in order, other lines between them allowed; a number
 stands for any number (a loss differs from one CPU to another) and `…` for any text.
-`outputs/DAY/TIME` and `outputs/multirun/DAY/TIME` are the newest run and sweep the page made.
+`outputs/DAY/TIME` and `outputs/multirun/DAY/TIME` are the newest training run and sweep the
+page made.
 
 Directives, HTML comments that a rendered page hides, on the lines before a ```bash block:
-  <!-- test: add OVERRIDES -->   appended to each `python -m app` command (a shorter training)
+  <!-- test: add OVERRIDES -->   appended to each `-m app` command (a shorter training)
   <!-- test: exit N -->          the block's expected exit status (default 0)
   <!-- test: skip REASON -->     not run here (REASON: what this machine lacks); still composed
 `<!-- test-page: add OVERRIDES -->` anywhere applies to every block of the page. `make`
@@ -34,7 +35,8 @@ RUN = ["README.md", "docs/quickstart.md"]
 PAGES = [REPO / name for name in RUN if (REPO / name).is_file()]
 BLOCK = re.compile(r"((?:<!-- test: .*? -->\n)*)```bash\n(.*?)```\n(?:\n?```text\n(.*?)```)?",
                    re.S)
-APP = re.compile(r"^(\s*python -m app)(\s[^#]*?)?(\s+#\s.*)?$", re.M)
+APP = re.compile(r"^([^#\n]*?-m app)(?=[ \t]|$)(?:[ \t]+([^#\s][^#\n]*?))?([ \t]+#[ \t].*)?$",
+                 re.M)
 NUMBER = re.compile(r"-?\d+(?:[.,]\d+)*(?:e[+-]?\d+)?")
 
 
@@ -92,24 +94,26 @@ def missing_lines(expected: list[str], output: str) -> list[str]:
     return []
 
 
-def _newest(folder: Path) -> str | None:
-    runs = [p for p in folder.glob("*/*") if p.is_dir() and (p / ".hydra").is_dir()
-            or p.is_dir() and (p / "multirun.yaml").is_file()]
-    return str(max(runs, key=lambda p: p.stat().st_mtime)) if runs else None
+# Defined before each block: the newest training run (one with checkpoints: not an
+# evaluation's) or sweep under a folder, when the command that names it runs.
+NEWEST = """newest() {
+python -c 'import sys, pathlib
+runs = [p for p in pathlib.Path(sys.argv[1]).glob("*/*")
+        if (p / "checkpoints").is_dir() or (p / "multirun.yaml").is_file()]
+print(max(runs, key=lambda p: p.stat().st_mtime).resolve() if runs else
+      sys.exit(f"{sys.argv[1]}/DAY/TIME: no earlier block of the page made one"))' "$1"
+}
+"""
 
 
-def prepared(block: Block, scratch: Path) -> str:
+def prepared(block: Block) -> str:
     """The block's script as run here: its overrides added, its run directories filled in."""
     script = block.script
     if block.add:
-        script = APP.sub(lambda m: f"{m[1]}{m[2] or ''} {block.add}{m[3] or ''}", script)
-    for placeholder, folder in (("outputs/multirun/DAY/TIME", scratch / "outputs" / "multirun"),
-                                ("outputs/DAY/TIME", scratch / "outputs")):
-        if placeholder in script:
-            newest = _newest(folder)
-            assert newest, f"`{placeholder}`: no earlier block of the page made one"
-            script = script.replace(placeholder, newest)
-    return script
+        script = APP.sub(lambda m: f"{m[1]}{f' {m[2]}' if m[2] else ''} {block.add}{m[3] or ''}",
+                         script)
+    script = script.replace("outputs/multirun/DAY/TIME", "$(newest outputs/multirun)")
+    return script.replace("outputs/DAY/TIME", "$(newest outputs)")
 
 
 def run_page(page: Path, scratch: Path) -> list[str]:
@@ -121,9 +125,9 @@ def run_page(page: Path, scratch: Path) -> list[str]:
         if block.skip is not None:
             skipped.append(f"block {number}: {block.skip}")
             continue
-        script = "\n".join(line for line in prepared(block, scratch).splitlines()
-                           if not re.match(r"\s*make\s", line))
-        done = subprocess.run(["bash", "-ec", script], cwd=scratch, env=env, text=True,
+        script = "\n".join(line for line in prepared(block).splitlines()
+                            if not re.match(r"\s*make\s", line))
+        done = subprocess.run(["bash", "-ec", NEWEST + script], cwd=scratch, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
         where = f"{page.relative_to(REPO)}, block {number}:\n{script}\n--- output:\n"
         assert done.returncode == block.exit, \
@@ -162,13 +166,20 @@ def test_a_page_is_read_into_blocks_with_their_directives(tmp_path: Path) -> Non
                     "<!-- test: skip needs two machines -->\n```bash\npython -m app \\\n"
                     "  nodes=2\n```\n")
     first, second = blocks(page)
+    assert prepared(Block("python -m app\nls\n", add="a=1")) == "python -m app a=1\nls\n"
+    assert prepared(Block("torchrun -m app  # two\npython -m app.report x\n", add="a=1")) == \
+        "torchrun -m app a=1  # two\npython -m app.report x\n"
     assert (first.exit, first.expected, first.skip) == (2, ["nope: did you mean …?"], None)
-    assert prepared(first, tmp_path) == \
+    assert prepared(first) == \
         "python -m app nope=1 trainer.max_epochs=1   # a typo\n"
     assert second.skip == "needs two machines" and second.expected == []
-    assert prepared(second, tmp_path).split() == \
+    assert prepared(second).split() == \
         ["python", "-m", "app", "nodes=2", "trainer.max_epochs=1"]
-    run = tmp_path / "outputs" / "2026-12-07" / "05-02-03"
-    (run / ".hydra").mkdir(parents=True)
-    assert prepared(Block("python -m app run=outputs/DAY/TIME\n"), tmp_path) == \
-        f"python -m app run={run}\n"
+    # A run directory is the newest training run when the command runs (an evaluation's is not).
+    for name in ("05-02-03", "05-02-04"):
+        (tmp_path / "outputs" / "2026-12-07" / name / ".hydra").mkdir(parents=True)
+        os.utime(tmp_path / "outputs" / "2026-12-07" / name, (0, 1000 + int(name[-1])))
+    (tmp_path / "outputs" / "2026-12-07" / "05-02-03" / "checkpoints").mkdir()
+    script = NEWEST + prepared(Block("echo run=outputs/DAY/TIME/checkpoints\n"))
+    done = subprocess.run(["bash", "-ec", script], cwd=tmp_path, capture_output=True, text=True)
+    assert done.stdout == f"run={tmp_path.resolve()}/outputs/2026-12-07/05-02-03/checkpoints\n"

@@ -151,7 +151,8 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         log.warning("%d step(s) skipped for a non-finite loss (trainer.skip_nonfinite=true)",
                     train_step.skipped)
     checkpoints.log_totals()
-    log.info("done: step %d, best %s %s", state.step, t.monitor, state.best)
+    log.info("done: step %d, best %s %s", state.step, t.monitor,
+             "none" if state.best is None else f"{state.best:.4f}")
     return state.best
 
 
