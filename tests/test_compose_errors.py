@@ -72,7 +72,7 @@ def test_an_unknown_group_option_gets_the_nearest(overrides: list[str], line: st
 @pytest.mark.parametrize("overrides", [
     ["trainer.zzz=1"],  # nothing near: Hydra's report says how to add a key
     ["model.newkey=1"],
-    ["+experiment=nope"],  # nothing near: Hydra's report lists the options
+    ["+experiment=nope", "hydra.searchpath=[file:///nowhere]"],  # Hydra lists where it looked
     ["trainer.max_epochs=many"],  # a wrong type, a value outside a closed set: Hydra says it
     ["precision=16"],
     ["trainer.monitor_mode=up"],
@@ -83,6 +83,16 @@ def test_an_unknown_group_option_gets_the_nearest(overrides: list[str], line: st
 ])
 def test_where_hydras_report_says_it_all_nothing_is_added(overrides: list[str]) -> None:
     assert _added(*overrides) is None
+
+
+def test_an_option_of_your_own_and_a_tilde_the_shell_left_say_what_to_write() -> None:
+    """A new user's first `data=mydata` (no hydra.searchpath), `data.root=~/photos` (bash
+    expands a ~ only at a word's start): Hydra's report alone did not say what to do."""
+    assert _added("data=mydata") == (
+        "data=mydata: an option of your own is a file data/mydata.yaml in a folder of yours, "
+        "given as hydra.searchpath=[file://FOLDER] (docs/quickstart.md)")
+    assert _added("data=image_folder", "data.root=~/photos") == \
+        "data.root=~/photos: the shell leaves a ~ after = as it is; write data.root=$HOME/photos"
 
 
 def test_a_config_files_misspelt_key_renamed_key_and_unknown_option(tmp_path) -> None:

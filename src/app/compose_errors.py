@@ -3,8 +3,9 @@
 After Hydra's own report (exit status 1, before the task function runs), `python -m app`
 composes the same overrides once more with Hydra's compose API to hold the exception, and adds
 one line where Hydra's words leave the user looking: where a config file is not valid YAML,
-the nearest key to a misspelt one (or a moved key's new name), the nearest option of a group,
-the file of a group option that is not a mapping.
+the nearest key to a misspelt one (or a moved key's new name), the nearest option of a group
+(or where an option of your own goes), the file of a group option that is not a mapping, a ~
+the shell did not expand.
 The exit status is then 2, bad input. Nothing is composed again once a job started, nor
 with HYDRA_FULL_ERROR=1 (Hydra raises, its traceback left alone).
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException, MissingConfigException
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.utils import get_object
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError
@@ -95,6 +96,8 @@ def addition(error: BaseException, overrides: list[str]) -> str | None:
             return (f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: "
                     f"{seen.problem or seen.context}")
         seen = seen.__cause__ or seen.__context__
+    if isinstance(error, OverrideParseException):
+        return _tilde_line(overrides)
     if isinstance(error, MissingConfigException) and error.missing_cfg_file:
         return _option_line(error, overrides)
     cause = error.__cause__ or error.__context__  # (a config file's key: raised without from)
@@ -106,11 +109,25 @@ def addition(error: BaseException, overrides: list[str]) -> str | None:
 def _option_line(error: MissingConfigException, overrides: list[str]) -> str | None:
     """`GROUP=NAME: did you mean GROUP=NEAR?` for an option its group does not have."""
     group, _, name = error.missing_cfg_file.rpartition("/")
-    near = difflib.get_close_matches(name, error.options or [], n=1)
-    if not group or not near:
+    if not group:
         return None
     typed = next((a for a in overrides if a.lstrip("+") == f"{group}={name}"), f"{group}={name}")
-    return f"{typed}: did you mean {typed[:typed.index(group)]}{group}={near[0]}?"
+    near = difflib.get_close_matches(name, error.options or [], n=1)
+    if near:
+        return f"{typed}: did you mean {typed[:typed.index(group)]}{group}={near[0]}?"
+    if any(a.lstrip("+").startswith("hydra.searchpath=") for a in overrides):
+        return None  # (Hydra's report lists where it looked)
+    return (f"{typed}: an option of your own is a file {group}/{name}.yaml in a folder of "
+            f"yours, given as hydra.searchpath=[file://FOLDER] (docs/quickstart.md)")
+
+
+def _tilde_line(overrides: list[str]) -> str | None:
+    """A `~` after `=` (`data.root=~/photos`): the shell expands it only at a word's start."""
+    typed = next((a for a in overrides if re.search(r"=~(/|$)", a)), None)
+    if typed is None:
+        return None
+    key, _, value = typed.partition("=")
+    return f"{typed}: the shell leaves a ~ after = as it is; write {key}=$HOME{value[1:]}"
 
 
 def _key_line(cause: Exception, overrides: list[str]) -> str | None:
