@@ -13,7 +13,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from app.config import AppConfig, LoaderConfig, Mode, validate
-from app.data import first_samples
+from app.data import DataModule, first_samples
 from app.errors import UserError
 from app.training.build import build_data, build_model, build_optimizer, build_scheduler
 from conftest import CONF_DIR, HELPERS, make_config
@@ -209,12 +209,36 @@ def test_every_declared_bound_is_enforced_just_outside_and_not_just_inside() -> 
                                    "for validation; the minimum is 0.00056"),
     (["data.val_fraction=0.9999"], "no sample for training"),
     (["data=synthetic", "data.num_samples=4", "data.val_fraction=0.1"], "the minimum is 0.25"),
+    (["data._target_=nosuch_pkg.mod.Data"], "data (nosuch_pkg.mod.Data): no module named "
+                                            "'nosuch_pkg': Python finds your own module in"),
 ])
 def test_bad_object_settings_name_the_key(overrides: list[str], words: str) -> None:
     cfg = make_config(*overrides)
     with pytest.raises(UserError) as err:
         build_model(cfg, build_data(cfg))
     assert words in str(err.value)
+
+
+class NoSuper(DataModule):
+    def __init__(self, **loader) -> None:  # forgets super().__init__(**loader)
+        self.train = self.val = [(torch.zeros(1), 0)]
+        self.input_shape, self.num_classes = (1,), 2
+
+
+class NoShape(DataModule):
+    def __init__(self, val_fraction=0.2, split_seed=0, shift=0, **loader) -> None:  # (digits')
+        super().__init__(**loader)
+        self.train = self.val = [(torch.zeros(1), 0)]
+
+
+def test_a_data_module_of_your_own_missing_a_part_is_named() -> None:
+    """Before: AttributeError tracebacks ('NoSuper' object has no attribute 'cache')."""
+    with pytest.raises(UserError, match=r"data \(test_config.NoSuper\): its __init__ must call "
+                                        r"super\(\).__init__\(\*\*loader\)"):
+        build_data(make_config("data._target_=test_config.NoSuper"))
+    with pytest.raises(UserError, match=r"data \(test_config.NoShape\): sets no input_shape, "
+                                        r"num_classes \(a DataModule sets"):
+        build_data(make_config("data._target_=test_config.NoShape"))
 
 
 def test_an_empty_validation_split_of_any_data_module_fails_at_build(monkeypatch) -> None:

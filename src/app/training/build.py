@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,10 @@ def instantiate_group(group: str, node: dict[str, Any], **kwargs: Any) -> Any:
         if isinstance(cause, UserError):
             raise cause from None
         reason = f"{type(cause).__name__}: {cause}" if cause else first_line(e)
+        missing = re.search(r"No module named '([^'.]+)'", str(cause))  # (a top-level one)
+        if isinstance(cause, ImportError) and missing:  # (Hydra's words: 3 lines, no way out)
+            reason = (f"no module named '{missing[1]}': Python finds your own module in the "
+                      f"folder the command runs from, or in a folder on PYTHONPATH")
         raise UserError(f"{group} ({node.get('_target_')}): {reason}") from e
 
 
@@ -40,8 +45,17 @@ def build_data(cfg: AppConfig) -> DataModule:
     data = instantiate_group("data", cfg.data)
     if not isinstance(data, DataModule):
         raise UserError(f"data._target_={cfg.data['_target_']} does not build an app DataModule")
+    # A data module of your own that misses a part: one line, not an AttributeError below.
+    target = cfg.data["_target_"]
+    if not hasattr(data, "batch_size"):
+        raise UserError(f"data ({target}): its __init__ must call super().__init__(**loader) "
+                        f"(app.data.DataModule takes the loader settings)")
+    if missing := [name for name in ("train", "val", "input_shape", "num_classes")
+                   if not hasattr(data, name)]:
+        raise UserError(f"data ({target}): sets no {', '.join(missing)} (a DataModule sets "
+                        f"train, val, input_shape and num_classes)")
     if len(data.val) == 0:  # validation would divide by its zero samples
-        raise UserError(f"data ({cfg.data['_target_']}): the validation split is empty; give it "
+        raise UserError(f"data ({target}): the validation split is empty; give it "
                         f"at least one sample (data.val_fraction, or the data set's own split)")
     if data.cache:
         data.cache_in_memory()
