@@ -31,7 +31,8 @@ from conftest import REPO
 
 # The pages rewritten to run as written (issue 30); the others are composed only, for now
 # (tests/test_readme.py).
-RUN = ["README.md", "docs/quickstart.md"]
+RUN = ["README.md", "docs/quickstart.md", "docs/cluster.md", "docs/troubleshooting.md",
+       "docs/training.md", "docs/data.md", "docs/runs.md", "docs/sweeps.md"]
 PAGES = [REPO / name for name in RUN if (REPO / name).is_file()]
 BLOCK = re.compile(r"((?:<!-- test: .*? -->\n)*)```bash\n(.*?)```\n(?:\n?```text\n(.*?)```)?",
                    re.S)
