@@ -1,5 +1,5 @@
 """Packaging that pyproject.toml cannot say: conf/ ships inside the wheel as `app/conf` (and
-the reference of every key, docs/configuration.md, as `app/docs/configuration.md`).
+the reference of every key, docs/reference.md, as `app/docs/reference.md`).
 
 conf/ stays at the top of the repository (its one source); the mapping below copies it into
 the wheel, so an installed `app` composes from `app/conf` (see app/conf_dir.py).
@@ -15,6 +15,6 @@ setup(
         "app.conf",
         "app.docs",
     ],
-    # docs/configuration.md too: `python -m app --help` points to it, in a wheel as well.
-    package_data={"app.conf": ["**/*.yaml"], "app.docs": ["configuration.md"]},
+    # docs/reference.md too: `python -m app --help` points to it, in a wheel as well.
+    package_data={"app.conf": ["**/*.yaml"], "app.docs": ["reference.md"]},
 )

@@ -117,5 +117,5 @@ def test_installed_wheel_runs_from_another_folder(tmp_path):
     shown = subprocess.run([str(python), *SAFE_PATH, "-m", "app", "--help"], cwd=where,
                            capture_output=True, text=True, timeout=120, env=_env()).stdout
     reference = Path(shown.rstrip().split()[-1])
-    assert reference.is_relative_to(tmp_path / "venv") and reference.name == "configuration.md"
+    assert reference.is_relative_to(tmp_path / "venv") and reference.name == "reference.md"
     assert "trainer.max_epochs" in reference.read_text(), shown[-500:]

@@ -22,7 +22,8 @@ PLACEHOLDERS = ("DAY/TIME", "PATH", "HOST0", "my_digits", "digits.npy")
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_TOOLS = {"mkdir", "touch", "cat", "printf", "kill", "sinfo", "squeue", "scancel", "sacct",
                "scontrol", "sleep", "wait", "grep", "head", "tail", "ls", "echo", "export", "cd",
-               "cp", "rm", "sed", "wc", "find", "ps", "test", "true", "for", "done", "do"}
+               "cp", "rm", "sed", "wc", "find", "ps", "test", "true", "for", "done", "do",
+               "mlflow"}  # (mlflow: its UI, from the full mlflow package; docs/training.md)
 
 
 def _rel(page: Path) -> str:
@@ -56,7 +57,10 @@ def _words(command: str) -> list[str]:
     words = shlex.split(command, comments=True)
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
         words.pop(0)
-    return words
+    # The command ends at a shell operator (`&`, `||`, a redirection): the rest is the shell's.
+    end = next((i for i, w in enumerate(words) if w in {"&", "&&", "||", "|", ";"}
+                or re.match(r"\d?>|<", w)), len(words))
+    return words[:end]
 
 
 def _inline_commands(page: Path) -> list[str]:
@@ -217,3 +221,33 @@ def test_the_readme_lists_every_renamed_key() -> None:
     text = (REPO / "README.md").read_text()
     listed = dict(re.findall(r"(?m)^\| `([\w.]+)` \| `([\w.]+)` \|$", text))
     assert listed == RENAMED, "README.md's renamed keys differ from app.config.RENAMED"
+
+
+def test_the_reference_is_written_from_conf_and_has_every_key() -> None:
+    """docs/reference.md is what scripts/reference.py writes from conf/ (edit conf/, run it),
+    and names every key of the composed default config."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from app.config import register_schemas
+
+    spec = importlib.util.spec_from_file_location("reference", REPO / "scripts" / "reference.py")
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    text = (REPO / "docs" / "reference.md").read_text()
+    assert text == reference.render(), "docs/reference.md is stale: python scripts/reference.py"
+    register_schemas()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = OmegaConf.to_container(compose("config"))
+
+    def leaves(node: dict, prefix: str = "") -> list[str]:
+        keys = []
+        for key, value in node.items():
+            if isinstance(value, dict) and value and not key.startswith("_"):
+                keys += leaves(value, f"{prefix}{key}.")
+            elif not key.startswith("_"):
+                keys.append(f"{prefix}{key}")
+        return keys
+
+    missing = [key for key in leaves(composed) if f"| `{key}` |" not in text]
+    assert not missing, f"docs/reference.md has no row for {missing}: comment them in conf/"

@@ -1,6 +1,6 @@
 """Where `conf/` is: beside src/ for a checkout or an editable install (an edit takes effect
 at once), else the copy a built wheel carries as `app/conf` (setup.py maps it in); and the
-reference of every key, docs/configuration.md, likewise."""
+reference of every key, docs/reference.md, likewise."""
 
 from __future__ import annotations
 
@@ -23,4 +23,4 @@ def config_dir() -> Path:
 
 def reference() -> str:
     """The page that explains every group and key (`python -m app --help` names it)."""
-    return str(_shipped("docs", "configuration.md") / "configuration.md")
+    return str(_shipped("docs", "reference.md") / "reference.md")
