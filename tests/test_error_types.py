@@ -119,3 +119,19 @@ def test_an_app_error_from_a_run_is_its_line_and_its_exit_status(error, tmp_path
     assert not any(r.exc_info for r in caplog.records)  # no traceback logged ...
     assert "Traceback" not in output.out + output.err  # ... nor printed
     assert '"status": "failed"' in (tmp_path / "result.json").read_text()
+
+
+def test_a_failed_rank_s_line_points_to_a_traceback_only_where_there_is_one(tmp_path) -> None:
+    """An AppError is logged as its line: "(traceback in ...)" sent the reader to a log
+    without one."""
+    from app.launch import ends
+
+    (tmp_path / "logs").mkdir()
+    lines = []
+    for rank, error in enumerate([AppError("the training loss was nan"), RuntimeError("boom")]):
+        ends.write(tmp_path, rank, error)
+        lines.append(ends.failed_line(tmp_path, ends.read(tmp_path, 0)[rank]))
+    log = tmp_path / "logs"
+    assert lines == [
+        f"rank 0 failed: AppError: the training loss was nan (its log: {log}/rank0.log)",
+        f"rank 1 failed: RuntimeError: boom (traceback in {log}/rank1.log)"]

@@ -29,7 +29,9 @@ def write(run_dir: Path, rank: int, error: BaseException | str, status: str = ""
     _stalled = status == STALLED
     record = {"rank": rank, "pid": os.getpid(), "time": time.time(), "status": status,
               "error": one_line(error) if isinstance(error, BaseException) else error,
-              "exit_code": error.exit_code if isinstance(error, AppError) else 1}
+              "exit_code": error.exit_code if isinstance(error, AppError) else 1,
+              # (an AppError is logged as its line; anything else with its traceback)
+              "traceback": isinstance(error, BaseException) and not isinstance(error, AppError)}
     with contextlib.suppress(OSError):  # (the error itself is what the rank reports)
         (run_dir / "logs" / f"rank{rank}.end.json").write_text(json.dumps(record))
 
@@ -58,4 +60,5 @@ def first_failure(ends: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
 
 def failed_line(run_dir: Path, end: dict[str, Any]) -> str:
     rank_log = run_dir / "logs" / f"rank{end['rank']}.log"
-    return f"rank {end['rank']} failed: {end['error']} (traceback in {rank_log})"
+    where = "traceback in" if end.get("traceback", True) else "its log:"
+    return f"rank {end['rank']} failed: {end['error']} ({where} {rank_log})"
