@@ -88,7 +88,10 @@ def test_a_directory_given_as_the_checkpoint_to_evaluate_is_one_line(tmp_path) -
 
 
 @pytest.mark.parametrize("content,why", [(b"i am text\n", "UnpicklingError"),
-                                         (b"PK\x03\x04", "")])
+                                         (b"PK\x03\x04", ""),
+                                         # ("c": pickle's GLOBAL opcode; was "refused: it holds
+                                         # Python objects ... could run code")
+                                         (b"cut short", "GLOBAL ut shor")])
 def test_a_file_that_is_no_checkpoint_says_what_it_may_be(tmp_path, content, why) -> None:
     (tmp_path / "model.pt").write_bytes(content)
     with pytest.raises(UserError, match="not a readable checkpoint file \\(cut short, or not "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -145,7 +146,11 @@ def read(path: Path) -> Any:
     except Exception as e:
         # A pickle of objects names the global it refused ("Unsupported global: GLOBAL ...",
         # "unsupported GLOBAL posix.system"); bytes it cannot read do not.
-        if "Weights only load failed" in str(e) and "GLOBAL" in str(e):
+        # (Garbage may start with the GLOBAL opcode too, `c`: then its "name" is no dotted
+        # Python name, as for a file starting "cut short".)
+        named = re.search(r"GLOBAL (.+?) was not an allowed global", str(e))
+        if "Weights only load failed" in str(e) and "GLOBAL" in str(e) and not (
+                named and not all(part.isidentifier() for part in named[1].split("."))):
             raise UserError(
                 f"checkpoint {path}: refused: it holds Python objects other than tensors and "
                 f"plain values, and loading those could run code (nothing was run). Load only "
