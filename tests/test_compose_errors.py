@@ -71,7 +71,7 @@ def test_an_unknown_group_option_gets_the_nearest(overrides: list[str], line: st
 
 @pytest.mark.parametrize("overrides", [
     ["trainer.zzz=1"],  # nothing near: Hydra's report says how to add a key
-    ["model.newkey=1"],
+    ["data.newkey=1"],  # (a data set takes the loader's keys as **kwargs: it may take it)
     ["+experiment=nope", "hydra.searchpath=[file:///nowhere]"],  # Hydra lists where it looked
     ["trainer.max_epochs=many"],  # a wrong type, a value outside a closed set: Hydra says it
     ["precision=16"],
@@ -85,12 +85,18 @@ def test_where_hydras_report_says_it_all_nothing_is_added(overrides: list[str]) 
     assert _added(*overrides) is None
 
 
-def test_an_option_of_your_own_and_a_tilde_the_shell_left_say_what_to_write() -> None:
+def test_an_option_of_your_own_an_unknown_argument_and_a_tilde_say_what_to_write() -> None:
     """A new user's first `data=mydata` (no hydra.searchpath), `data.root=~/photos` (bash
     expands a ~ only at a word's start): Hydra's report alone did not say what to do."""
     assert _added("data=mydata") == (
         "data=mydata: an option of your own is a file data/mydata.yaml in a folder of yours, "
         "given as hydra.searchpath=[file://FOLDER] (docs/quickstart.md)")
+    # A key no constructor argument is near: Hydra's report says to add it with a +, which the
+    # constructor would then refuse.
+    line = _added("optimizer.learning_rate=0.01")  # (AdamW's arguments: by torch version)
+    assert line.startswith("optimizer.learning_rate: torch.optim.AdamW takes no learning_rate "
+                           "(it takes amsgrad, betas, ")
+    assert ", lr, " in line and line.endswith(", weight_decay)")
     assert _added("data=image_folder", "data.root=~/photos") == \
         "data.root=~/photos: the shell leaves a ~ after = as it is; write data.root=$HOME/photos"
 

@@ -146,8 +146,13 @@ def _key_line(cause: Exception, overrides: list[str]) -> str | None:
     keys = [str(k) for k in parent.keys() if k != key]
     arguments = [a for a in _arguments(parent) if a not in keys and a != key]
     near = difflib.get_close_matches(key, keys + arguments, n=1)
-    if not near:
-        return None
+    if not near:  # (Hydra's report says to add it with a +: the constructor would refuse it)
+        signature = _signature(parent)
+        if signature is None or any(p.kind is p.VAR_KEYWORD
+                                    for p in signature.parameters.values()):
+            return None
+        takes = sorted({k for k in keys if not k.startswith("_")} | set(arguments))
+        return f"{name}: {parent['_target_']} takes no {key} (it takes {', '.join(takes)})"
     path, rest = full[:len(full) - len(key)], name[len(full):]
     if near[0] in keys:
         return f"{name}: did you mean {path}{near[0]}{rest}?"
@@ -178,12 +183,18 @@ def _list_option_line(error: BaseException, overrides: list[str]) -> str | None:
             f"be a mapping (`key: value` lines)")
 
 
+def _signature(node: DictConfig) -> inspect.Signature | None:
+    """The signature of a `_target_` node's constructor."""
+    try:
+        return inspect.signature(get_object(node["_target_"]))
+    except Exception:  # no `_target_` (a typed section), not importable, not inspectable
+        return None
+
+
 def _arguments(node: DictConfig) -> list[str]:
     """The arguments with a default that the constructor of a `_target_` node takes."""
-    try:
-        parameters = inspect.signature(get_object(node["_target_"])).parameters.values()
-    except Exception:  # no `_target_` (a typed section), not importable, not inspectable
-        return []
-    return [p.name for p in parameters if p.default is not p.empty
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    signature = _signature(node)
+    return [] if signature is None else [
+        p.name for p in signature.parameters.values() if p.default is not p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
