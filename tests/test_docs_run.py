@@ -33,12 +33,14 @@ from conftest import REPO
 # The pages rewritten to run as written (issue 30); the others are composed only, for now
 # (tests/test_readme.py).
 RUN = ["README.md", "docs/quickstart.md", "docs/cluster.md", "docs/troubleshooting.md",
-       "docs/training.md", "docs/data.md", "docs/runs.md", "docs/sweeps.md"]
+       "docs/training.md", "docs/data.md", "docs/runs.md", "docs/sweeps.md",
+       "docs/distributed.md"]
 PAGES = [REPO / name for name in RUN if (REPO / name).is_file()]
 BLOCK = re.compile(r"((?:<!-- test: .*? -->\n)*)```bash\n(.*?)```\n(?:\n?```text\n(.*?)```)?",
                    re.S)
-APP = re.compile(r"^([^#\n]*?-m app)(?=[ \t]|$)(?:[ \t]+([^#\s][^#\n]*?))?([ \t]+#[ \t].*)?$",
-                 re.M)
+# A `-m app` command: its arguments, then what is the shell's (`&`, `> log`, `||`, a comment).
+APP = re.compile(r"^([^#\n]*?-m app)(?=[ \t]|$)(?:[ \t]+([^#\s&|;<>][^#\n&|;<>]*?))?"
+                 r"([ \t]*(?:[&|;<>]|\d>|#[ \t]).*)?$", re.M)
 NUMBER = re.compile(r"-?\d+(?:[.,]\d+)*(?:e[+-]?\d+)?")
 
 
@@ -109,12 +111,18 @@ print(max(runs, key=lambda p: p.stat().st_mtime) if runs else
 """
 
 
+def _added(command: re.Match, add: str) -> str:
+    """The `-m app` command with `add` after its arguments, before the shell's part."""
+    shell = command[3] or ""
+    shell = shell if shell[:1] in ("", " ", "\t") else f" {shell}"
+    return f"{command[1]}{f' {command[2]}' if command[2] else ''} {add}{shell}"
+
+
 def prepared(block: Block) -> str:
     """The block's script as run here: its overrides added, its run directories filled in."""
     script = block.script
     if block.add:
-        script = APP.sub(lambda m: f"{m[1]}{f' {m[2]}' if m[2] else ''} {block.add}{m[3] or ''}",
-                         script)
+        script = APP.sub(lambda m: _added(m, block.add), script)
     script = script.replace("outputs/multirun/DAY/TIME", "$(newest outputs/multirun)")
     return script.replace("outputs/DAY/TIME", "$(newest outputs)")
 
@@ -173,6 +181,9 @@ def test_a_page_is_read_into_blocks_with_their_directives(tmp_path: Path) -> Non
     assert prepared(Block("python -m app\nls\n", add="a=1")) == "python -m app a=1\nls\n"
     assert prepared(Block("torchrun -m app  # two\npython -m app.report x\n", add="a=1")) == \
         "torchrun -m app a=1  # two\npython -m app.report x\n"
+    assert prepared(Block("python -m app b=2 > log 2>&1 &\npython -m app x || echo no\n",
+                          add="a=1")) == \
+        "python -m app b=2 a=1 > log 2>&1 &\npython -m app x a=1 || echo no\n"
     assert (first.exit, first.expected, first.skip) == (2, ["nope: did you mean …?"], None)
     assert prepared(first) == \
         "python -m app nope=1 trainer.max_epochs=1   # a typo\n"
