@@ -105,6 +105,7 @@ def test_a_dry_run_prints_the_request_and_submits_nothing(tmp_path) -> None:
                   timeout=120)
     assert fits.returncode == 0, fits.stdout + fits.stderr
     assert "#SBATCH --array=0-1%2" in fits.stdout and "#SBATCH --mem=1GB" in fits.stdout
+    assert "#SBATCH --job-name=app\n" in fits.stdout  # (was __main__, python -m app's name)
     assert "each job: 1 node(s) x 1 task(s) = 1 rank(s); per node 0 GPU(s), 1 CPU(s)" in \
         fits.stdout
     assert "dry run: nothing was submitted; 0 problem(s) found" in fits.stdout
