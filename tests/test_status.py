@@ -79,6 +79,13 @@ def _checkpoints(run_dir: Path, steps: list[int], sharded: bool = False) -> None
      "waiting to run again at step 7 of 40 (PENDING: BeginTime), requeued 2 time(s)"),
     (slurm.Job("1_0", "RUNNING", nodes="node2"), {"steps": 12}, "running",
      "running on node2 at step 12 of 40"),
+    # (was "running on node2 at step 40 of 40", right after the submitter said "completed")
+    (slurm.Job("1_0", "RUNNING", nodes="node2"),
+     {"steps": 40, "result": {"status": "completed", "wall_s": 5}}, "completed",
+     "completed: best val/acc 0.9, step 40 (Slurm is ending its job)"),
+    (slurm.Job("1_0", "COMPLETING", nodes="node2", restarts=1),
+     {"steps": 12, "result": {"status": "interrupted", "wall_s": 5}}, "running",
+     "ending on node2 at step 12 of 40, requeued 1 time(s)"),
     (slurm.Job("1_0", "PREEMPTED"), {"steps": 3}, "queued",
      "preempted at step 3 of 40, waiting to run again"),
     (slurm.Job("1_0", "COMPLETED", restarts=1),
@@ -92,7 +99,8 @@ def _checkpoints(run_dir: Path, steps: list[int], sharded: bool = False) -> None
      "NODE_FAIL: ended without a result at step 4 of 40"),
     (slurm.Job("1_0", "TIMEOUT", exit_code="0:15"), {}, "failed",
      "TIMEOUT: ended without a result"),
-], ids=["held", "queued", "requeued-waiting", "running", "preempted", "completed", "failed",
+], ids=["held", "queued", "requeued-waiting", "running", "completed-ending", "completing",
+        "preempted", "completed", "failed",
         "cancelled", "node-fail", "timeout"])
 def test_each_slurm_state_is_one_line(tmp_path, job, files, expected, said) -> None:
     run_dir = _run_dir(tmp_path, files.get("result"), files.get("steps", 0),

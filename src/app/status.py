@@ -103,7 +103,14 @@ def from_slurm(job: slurm.Job, run_dir: Path, failure: str | None) -> tuple[str,
             f"{'' if done is None else f' of {done[1]}'} (its last checkpoint{logged})"
         return "queued", f"waiting to run again{start} ({why}){again}"
     if state in ("RUNNING", "COMPLETING", "CONFIGURING"):
-        return "running", f"running on {job.nodes or '?'}{_where(run_dir)}{again}"
+        # The run may have completed while Slurm still ends its job (submitit's own ending,
+        # the step's teardown): its record says so. (A requeued run's earlier "interrupted"
+        # is not the end of the run that now runs again.)
+        status, said = from_run_dir(run_dir)
+        if status == "completed":
+            return status, f"{said}{again} (Slurm is ending its job)"
+        verb = "ending" if state == "COMPLETING" else "running"
+        return "running", f"{verb} on {job.nodes or '?'}{_where(run_dir)}{again}"
     if state in ("SUSPENDED", "PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
                  "RESIZING", "STOPPED"):
         said = f"{state.lower()}{_where(run_dir)}, waiting to run again"
