@@ -108,6 +108,15 @@ def test_each_slurm_state_is_one_line(tmp_path, job, files, expected, said) -> N
     assert status.from_slurm(job, run_dir, None) == (expected, said)
 
 
+def test_a_cancelled_run_is_at_the_step_of_its_stop_checkpoint(tmp_path) -> None:
+    """A stop saves a checkpoint between logging steps: the run resumes from it, so that is
+    where it stands (was "cancelled at step 4", the last logged step, for a stop at 6)."""
+    run_dir = _run_dir(tmp_path, steps=4)
+    _checkpoints(run_dir, [2, 6])
+    assert status.from_slurm(slurm.Job("1_0", "CANCELLED"), run_dir, None) == (
+        "cancelled", "cancelled at step 6 of 40")
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_requeued_job_is_said_to_run_again_from_its_last_checkpoint(tmp_path,
                                                                       sharded) -> None:

@@ -45,8 +45,13 @@ def progress(run_dir: Path) -> tuple[int, int] | None:
 
 
 def _where(run_dir: Path) -> str:
+    """At the step the run reached: its last progress line's, or its last checkpoint's when
+    later (a stop saves one between logging steps: cancelled at 47, not at the 40 logged)."""
     done = progress(run_dir)
-    return "" if done is None else f" at step {done[0]} of {done[1]}"
+    if done is None:
+        return ""
+    step = max(done[0], checkpoint_step(run_dir) or 0)
+    return f" at step {step} of {done[1]}"
 
 
 def checkpoint_step(run_dir: Path) -> int | None:
