@@ -286,6 +286,11 @@ def test_values_no_cluster_could_mean_are_named() -> None:
         "hydra.launcher.timeout_min=-5: give 1 minute or more"]
     assert "the time-limit signal would come as the job starts" in invalid(
         {**params, "timeout_min": 1}, 3)[0]
+    # Slurm may send the signal up to 60 s early: 1 minute with 30 s requeued every job as
+    # it started (burning its timeout retries); 2 minutes with 30 s leave it 30 s or more.
+    assert "the 60 s Slurm may send it early" in invalid(
+        {**params, "timeout_min": 1, "signal_delay_s": 30}, 3)[0]
+    assert invalid({**params, "timeout_min": 2, "signal_delay_s": 30}, 3) == []
     assert invalid({**params, "mem_gb": -1}, -1) == [
         "hydra.launcher.mem_gb=-1: give 0 or more",
         "hydra.launcher.max_num_failures=-1: give 0 or more"]

@@ -12,6 +12,10 @@ from app import slurm
 
 from . import refuse
 
+# sbatch --signal: "the signal may be sent up to 60 seconds earlier than specified" (Slurm's
+# event resolution): a limit of 1 minute and a delay of 30 s requeued jobs as they started.
+SIGNAL_EARLY_S = 60
+
 
 def invalid(params: dict[str, Any], max_num_failures: int) -> list[str]:
     """Values no cluster could mean (checked before any submission, dry run or not)."""
@@ -19,10 +23,11 @@ def invalid(params: dict[str, Any], max_num_failures: int) -> list[str]:
     timeout, delay = params.get("timeout_min"), params.get("signal_delay_s") or 0
     if timeout is not None and timeout < 1:
         found.append(f"hydra.launcher.timeout_min={timeout}: give 1 minute or more")
-    elif timeout is not None and delay >= timeout * 60:
+    elif timeout is not None and delay + SIGNAL_EARLY_S >= timeout * 60:
         found.append(f"hydra.launcher.signal_delay_s={delay} is not under timeout_min="
-                     f"{timeout} ({timeout * 60} s): the time-limit signal would come as the "
-                     f"job starts; raise timeout_min or lower signal_delay_s")
+                     f"{timeout} ({timeout * 60} s) by more than the {SIGNAL_EARLY_S} s Slurm "
+                     f"may send it early: the time-limit signal would come as the job starts; "
+                     f"raise timeout_min or lower signal_delay_s")
     for key, least in (("mem_gb", 0), ("cpus_per_task", 1), ("max_num_timeout", 0),
                        ("signal_delay_s", 0), ("max_num_failures", 0)):
         value = max_num_failures if key == "max_num_failures" else params.get(key)
