@@ -35,7 +35,7 @@ from conftest import REPO
 RUN = ["README.md", "docs/quickstart.md", "docs/cluster.md", "docs/troubleshooting.md",
        "docs/training.md", "docs/data.md", "docs/runs.md", "docs/sweeps.md",
        "docs/distributed.md", "docs/sharding.md", "docs/callbacks.md",
-       "docs/slurm.md"]
+       "docs/slurm.md", "docs/configuration.md"]
 PAGES = [REPO / name for name in RUN if (REPO / name).is_file()]
 BLOCK = re.compile(r"((?:<!-- test: .*? -->\n)*)```bash\n(.*?)```\n(?:\n?```text\n(.*?)```)?",
                    re.S)
