@@ -61,3 +61,21 @@ def test_an_empty_run_or_sweep_directory_is_refused_and_nothing_is_written(tmp_p
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert f"{key} is empty" in proc.stderr and "Traceback" not in proc.stderr
         assert list(tmp_path.iterdir()) == []
+
+
+def test_a_record_written_by_this_command_s_other_ranks_is_not_kept(tmp_path) -> None:
+    """Under torchrun every rank's Hydra writes .hydra/: rank 0 kept rank 1's as an earlier
+    run's record, and a stop before training then put it back and removed the run's
+    result.json (flaky under load: tests/test_group_signals.py)."""
+    from app.rundir import record
+
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    config = run_dir / ".hydra" / "config.yaml"
+    config.write_text("written by another rank of this command\n")  # (after this process began)
+    record.keep(run_dir)
+    (run_dir / "result.json").write_text('{"status": "interrupted"}')
+    assert not record.put_back(run_dir) and (run_dir / "result.json").is_file()
+    os.utime(config, (1e9, 1e9))  # an earlier command's
+    record.keep(run_dir)
+    assert record.put_back(run_dir) and not (run_dir / "result.json").exists()

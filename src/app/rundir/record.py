@@ -17,6 +17,8 @@ import logging
 import os
 from pathlib import Path
 
+import psutil
+
 from app.errors import WriteFailed
 from app.files import write_bytes_atomically
 
@@ -42,8 +44,13 @@ def _training_state(run_dir: Path) -> list[tuple]:
 
 
 def keep(run_dir: Path) -> None:
-    """Before Hydra writes `.hydra/`: remember the record of the run already there, if any."""
-    files = {name: (run_dir / name).read_bytes() for name in RECORD if (run_dir / name).exists()}
+    """Before Hydra writes `.hydra/`: remember the record of the run already there, if any.
+    Not files written since this process started: under torchrun or srun the other ranks of
+    this command write `.hydra/` too (kept, an error's put_back removed the run's result.json
+    for the record of a run that never was)."""
+    started = psutil.Process().create_time()
+    files = {name: (run_dir / name).read_bytes() for name in RECORD
+             if (run_dir / name).exists() and (run_dir / name).stat().st_mtime < started}
     if files:
         _kept[run_dir] = (files, _training_state(run_dir))
 
