@@ -302,5 +302,6 @@ def test_a_full_disk_at_a_rank_log_stops_every_rank_with_a_checkpoint_in_one_lin
     assert line.startswith(
         f"rank 1 failed: WriteFailed: {run_dir}/logs/rank1.log could not be written (No space "
         f"left on device): the run stopped at step {step} with a checkpoint; free some space "
-        f"(or fix the mount), then run again with hydra.run.dir={run_dir} to resume")
+        f"(or fix the mount), then run the same command again with hydra.run.dir={run_dir} "
+        f"to resume")
     assert load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"] == step

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from app.data import DataModule
 from app.errors import UserError
@@ -220,6 +221,7 @@ def test_unavailable_accelerator_falls_back_to_cpu(tmp_path) -> None:
 
 class _Digits(DataModule):
     input_shape = (1, 8, 8)  # what load_inputs asks of a data object, with DataModule's decoding
+    val = torch.utils.data.TensorDataset(torch.rand(4, 1, 8, 8), torch.zeros(4))  # (0 to 1)
 
 
 def _corrupt_inputs(tmp_path) -> dict[str, tuple[Path, str]]:

@@ -242,8 +242,8 @@ def test_the_resume_hint_names_the_sweep_for_a_job_of_a_sweep(tmp_path) -> None:
     its run directory alone, it would have resumed locally, outside its sweep."""
     from app.rundir.name import resume_hint
 
-    assert resume_hint(tmp_path / "run") == f"run again with hydra.run.dir={tmp_path / 'run'} " \
-                                            f"to resume"
+    assert resume_hint(tmp_path / "run") == \
+        f"run the same command again with hydra.run.dir={tmp_path / 'run'} to resume"
     (tmp_path / "multirun.yaml").write_text("hydra: {}\n")
     assert resume_hint(tmp_path / "3") == f"run the sweep's command again with " \
                                           f"hydra.sweep.dir={tmp_path} to resume"

@@ -51,7 +51,7 @@ def resume_hint(run_dir: Path) -> str:
         return "Slurm has requeued the job (a failed node or a preemption): it resumes from it"
     if is_job_of_sweep(run_dir):
         return f"run the sweep's command again with hydra.sweep.dir={run_dir.parent} to resume"
-    return f"run again with hydra.run.dir={run_dir} to resume"
+    return f"run the same command again with hydra.run.dir={run_dir} to resume"
 
 
 def is_job_of_sweep(run_dir: Path) -> bool:
