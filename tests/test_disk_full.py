@@ -270,8 +270,8 @@ def test_a_full_disk_at_train_log_stops_the_run_with_a_checkpoint_in_one_line(
     _logs_on_a_full_disk(run_dir, "train.log")
     assert _last_line(_app(run_dir)) == (
         f"{run_dir}/train.log could not be written (No space left on device): the run stopped "
-        f"at step 1 with a checkpoint; free some space (or fix the mount), then run again "
-        f"with hydra.run.dir={run_dir} to resume")
+        f"at step 1 with a checkpoint; free some space (or fix the mount), then run the same "
+        f"command again with hydra.run.dir={run_dir} to resume")
     assert load_state(run_dir / "checkpoints" / "last.pt")["loop"]["step"] == 1
     # A job without a training loop ends as it would have, then says so.
     proc = _app(run_dir, "trainer=eval", f"ckpt={run_dir}/checkpoints/last.pt")

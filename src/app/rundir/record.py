@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import psutil
@@ -43,12 +44,26 @@ def _training_state(run_dir: Path) -> list[tuple]:
     return state
 
 
+_IMPORTED = time.time()  # (early in the entry: before this command's Hydra writes .hydra/)
+
+
+def _command_started() -> float:
+    """When this command began: for a rank that torchrun, srun or mpirun started, when its
+    starter did (its peers are this command too); else when this process imported this."""
+    from app.env import this_process
+
+    if this_process().is_rank:
+        with contextlib.suppress(psutil.Error, AttributeError):  # (no parent: None)
+            return psutil.Process().parent().create_time()
+    return _IMPORTED
+
+
 def keep(run_dir: Path) -> None:
     """Before Hydra writes `.hydra/`: remember the record of the run already there, if any.
-    Not files written since this process started: under torchrun or srun the other ranks of
+    Not files written since this command started: under torchrun or srun the other ranks of
     this command write `.hydra/` too (kept, an error's put_back removed the run's result.json
     for the record of a run that never was)."""
-    started = psutil.Process().create_time()
+    started = _command_started()
     files = {name: (run_dir / name).read_bytes() for name in RECORD
              if (run_dir / name).exists() and (run_dir / name).stat().st_mtime < started}
     if files:
