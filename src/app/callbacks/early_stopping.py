@@ -51,9 +51,9 @@ class EarlyStopping(Callback):
             return
         self.wait += 1
         if self.wait >= self.patience:
-            run.request_stop(
-                f"early stopping: {self.monitor} did not improve by more than {self.min_delta} "
-                f"for {self.wait} validations (best {self.best})")
+            by = f" by more than {self.min_delta:g}" if self.min_delta else ""
+            run.request_stop(f"early stopping: {self.monitor} did not improve{by} for "
+                             f"{self.wait} validation(s) (best {self.best:.4f})")
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "wait": self.wait}

@@ -95,14 +95,15 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                                     changed_only_by_step=train_step.changed_only_by_step)
     train_step.before_update = checkpoints.hold_until_copied  # (the background copy first)
     checkpoints.restore()  # resume=, or the weights of ckpt=, or nothing
+    report = _Report(cfg, run_dir, run, callbacks, resumed=checkpoints.resumed_from is not None,
+                     trackers=checkpoints.trackers)
     if checkpoints.resumed_from is not None and finished(state, t):  # a re-run sweep job
         log.info("already finished at step %d%s: nothing to train", state.step,
                  f" ({state.stopped_early})" if state.stopped_early else "")
-    report = _Report(cfg, run_dir, run, callbacks, resumed=checkpoints.resumed_from is not None,
-                     trackers=checkpoints.trackers)
-    log.info("training %s on %s x %d: %d steps/epoch, %d steps, %d train / %d val samples",
-             cfg.model["_target_"], device.type, world_size, steps_per_epoch, total_steps,
-             len(data.train), len(data.val))
+    else:
+        log.info("training %s on %s x %d: %d steps/epoch, %d steps, %d train / %d val samples",
+                 cfg.model["_target_"], device.type, world_size, steps_per_epoch, total_steps,
+                 len(data.train), len(data.val))
     model.train()
     with report, StopRequest() as stop, callbacks.running(run):
         while not finished(state, t):
