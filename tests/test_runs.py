@@ -58,6 +58,9 @@ def test_show_gives_overrides_differences_result_and_files(outputs, capsys) -> N
     assert "  trainer.max_epochs: 2 (default: 20)" in lines
     assert not any(line.startswith("  optimizer.") for line in lines)  # (a default)
     assert any(line.startswith("  checkpoints/best.pt  ") for line in lines)
+    command = next(line for line in lines if line.startswith("command: "))
+    assert command.startswith("command: python -m app -m ") and command.endswith(
+        f"hydra.sweep.dir={outputs / 'multirun' / 'sweep'}"), command  # (the sweep's)
     code, lines = _run(capsys, "show", str(outputs / "multirun" / "sweep" / "0"))
     assert "status: failed (RuntimeError: injected fault)" in lines[1], lines
 
@@ -142,3 +145,18 @@ def test_a_broken_run_folder_is_named_and_hides_no_other(tmp_path, capsys) -> No
         assert code == 2 and len(said) == 1 and "does not load as a config" in said[0], said
     code, said = _run(capsys, "show", str(tmp_path / "cut"))
     assert code == 0 and any(line.startswith("result.json: not valid JSON") for line in said)
+
+
+def test_show_gives_a_run_s_command_with_its_search_path(tmp_path, capsys) -> None:
+    """What `hydra.yaml` records of `python -m app 'hydra.searchpath=[file://conf]' model=mine`
+    (a run of your own model): the command that runs it again has the search path too."""
+    run = tmp_path / "outputs" / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("trainer:\n  mode: trainval\n")
+    (run / ".hydra" / "overrides.yaml").write_text("- model=mine\n- optimizer.lr=0.01\n")
+    (run / ".hydra" / "hydra.yaml").write_text(
+        "hydra:\n  mode: RUN\n  overrides:\n    hydra:\n    - hydra.searchpath=[file://conf]\n"
+        f"    - hydra.run.dir={run}\n    - hydra.mode=RUN\n    task:\n    - model=mine\n"
+        "    - optimizer.lr=0.01\n")
+    assert runs.rerun_command(run) == ("python -m app model=mine optimizer.lr=0.01 "
+                                       f"'hydra.searchpath=[file://conf]' hydra.run.dir={run}")

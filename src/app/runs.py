@@ -1,8 +1,9 @@
 """`python -m app.runs`: find, inspect and compare the runs under an output folder.
 
   ls [DIR] [KEY=VALUE ...] [--status S]   the runs under DIR (outputs/), newest first
-  show RUN                                one run: overrides, what differs from the defaults,
-                                          its result and its files
+  show RUN                                one run: overrides, the command that runs it
+                                          again, what differs from the defaults, its
+                                          result and its files
   diff RUN_A RUN_B                        the config keys that differ; both runs' metrics
 
 A run is any directory with a `.hydra/config.yaml` (a sweep's jobs too); everything is read
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from contextlib import suppress
@@ -27,6 +29,7 @@ from tqdm import tqdm
 from app.errors import first_line
 from app.flat import leaves
 from app.reporting.results import RESULT, folder_arg, read_metrics
+from app.rundir.name import is_job_of_sweep
 from app.sweeps.summary import job_summary, overrides_of
 
 SKIP = {".code", ".submitit", "checkpoints", "logs", "plots", ".hydra", "export"}
@@ -46,6 +49,22 @@ def describe(run: Path) -> dict[str, Any]:
             "mode": OmegaConf.select(config, "trainer.mode", default="?"),
             "started": saved.stat().st_mtime,  # (Hydra writes the config first)
             "command": " ".join(overrides_of(run))}
+
+
+def rerun_command(run: Path) -> str:
+    """The command that runs it again in its own directory (resume=auto continues it): its
+overrides and Hydra's (a search path of your own, a launcher) as typed, a sweep's for a job."""
+    sweep = run.parent / "multirun.yaml"
+    saved = sweep if is_job_of_sweep(run) and sweep.is_file() else run / ".hydra" / "hydra.yaml"
+    try:
+        given = OmegaConf.load(saved).hydra.overrides
+    except Exception:  # (an unreadable or partial record): the task's overrides alone
+        given = OmegaConf.create({"hydra": [], "task": overrides_of(run)})
+    where = f"hydra.sweep.dir={run.parent}" if saved == sweep else f"hydra.run.dir={run}"
+    words = [str(o) for o in [*given.task, *given.hydra]
+             if not str(o).startswith(("hydra.run.dir=", "hydra.sweep.dir=", "hydra.mode="))]
+    return shlex.join(["python", "-m", "app", *(["-m"] if saved == sweep else []), *words,
+                       where])
 
 
 _MISSING = object()
@@ -174,6 +193,7 @@ def cmd_show(run: Path) -> int:
     print(f"mode: {r['mode']}; best {r['monitor']}: {_number(r['best'])}; steps: "
           f"{_number(r['steps'])}; wall_s: {_number(r['wall_s'], 1)}")
     print(f"overrides: {r['command'] or '(none)'}")
+    print(f"command: {rerun_command(run)}")
     register_schemas()  # (no resolver: the config is compared unresolved)
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         defaults = compose("config")  # as `python -m app` composes it (its hydra node left out)
