@@ -122,8 +122,8 @@ def test_other_commands_name_what_exists(page: str, command: str) -> None:
         assert set(targets) <= _makefile_targets(), f"{page}: `{command}`: no such make target"
     elif tool in ("python", "python3") and words[1] == "-m":
         assert importlib.util.find_spec(words[2]), f"{page}: `{command}`: no module {words[2]}"
-    elif tool in ("python", "python3") and words[1] == "-c":
-        pass  # (a one-line program of the page's own)
+    elif tool in ("python", "python3") and words[1] in ("-c", "-"):
+        pass  # (a program of the page's own, on the line or in a here-document)
     elif tool in ("python", "python3"):
         written = re.findall(r"(?m)^cat > (\S+) <<", (REPO / page).read_text())  # the page's own
         assert (REPO / words[1]).is_file() or words[1] in written, \
