@@ -14,6 +14,7 @@ Directives, HTML comments that a rendered page hides, on the lines before a ```b
   <!-- test: add OVERRIDES -->   appended to each `-m app` command (a shorter training)
   <!-- test: exit N -->          the block's expected exit status (default 0)
   <!-- test: skip REASON -->     not run here (REASON: what this machine lacks); still composed
+  <!-- test: checkout -->        run in the repository (a developer's command), not a scratch folder
 `<!-- test-page: add OVERRIDES -->` anywhere applies to every block of the page. `make`
 commands are not run (CI runs `make test`, `make test-slow` and this).
 """
@@ -30,13 +31,7 @@ import pytest
 
 from conftest import REPO
 
-# The pages rewritten to run as written (issue 30); the others are composed only, for now
-# (tests/test_readme.py).
-RUN = ["README.md", "docs/quickstart.md", "docs/cluster.md", "docs/troubleshooting.md",
-       "docs/training.md", "docs/data.md", "docs/runs.md", "docs/sweeps.md",
-       "docs/distributed.md", "docs/sharding.md", "docs/callbacks.md",
-       "docs/slurm.md", "docs/configuration.md"]
-PAGES = [REPO / name for name in RUN if (REPO / name).is_file()]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BLOCK = re.compile(r"((?:<!-- test: .*? -->\n)*)```bash\n(.*?)```\n(?:\n?```text\n(.*?)```)?",
                    re.S)
 # A `-m app` command: its arguments, then what is the shell's (`&`, `> log`, `||`, a comment).
@@ -52,6 +47,7 @@ class Block:
     add: str = ""
     exit: int = 0
     skip: str | None = None
+    checkout: bool = False
 
 
 def blocks(page: Path) -> list[Block]:
@@ -69,6 +65,8 @@ def blocks(page: Path) -> list[Block]:
                 block.exit = int(value)
             elif key == "skip":
                 block.skip = value
+            elif key == "checkout":
+                block.checkout = True
             else:
                 raise AssertionError(f"{page.name}: unknown directive `test: {key}`")
         found.append(block)
@@ -139,7 +137,8 @@ def run_page(page: Path, scratch: Path) -> list[str]:
             continue
         script = "\n".join(line for line in prepared(block).splitlines()
                             if not re.match(r"\s*make\s", line))
-        done = subprocess.run(["bash", "-ec", NEWEST + script], cwd=scratch, env=env, text=True,
+        done = subprocess.run(["bash", "-ec", NEWEST + script], text=True, env=env,
+                              cwd=REPO if block.checkout else scratch,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
         where = f"{page.relative_to(REPO)}, block {number}:\n{script}\n--- output:\n"
         assert done.returncode == block.exit, \
@@ -177,8 +176,9 @@ def test_a_page_is_read_into_blocks_with_their_directives(tmp_path: Path) -> Non
                     "<!-- test: exit 2 -->\n```bash\npython -m app nope=1   # a typo\n```\n\n"
                     "```text\nnope: did you mean …?\n...\n```\n\n"
                     "<!-- test: skip needs two machines -->\n```bash\npython -m app \\\n"
-                    "  nodes=2\n```\n")
-    first, second = blocks(page)
+                    "  nodes=2\n```\n<!-- test: checkout -->\n```bash\nmake lint\n```\n")
+    first, second, third = blocks(page)
+    assert (first.checkout, second.checkout, third.checkout) == (False, False, True)
     assert prepared(Block("python -m app\nls\n", add="a=1")) == "python -m app a=1\nls\n"
     assert prepared(Block("torchrun -m app  # two\npython -m app.report x\n", add="a=1")) == \
         "torchrun -m app a=1  # two\npython -m app.report x\n"
