@@ -105,6 +105,8 @@ def test_preempted_job_requeues_and_finishes_bit_identical(tmp_path) -> None:
     reference = run_job(tmp_path / "reference", *overrides).run_dir
     _wait_for(lambda: job_field(job, "Restarts") == "1"
               and job_field(job, "JobState") == "PENDING", 120, "the job to requeue itself")
+    # (was "interrupted": app.report and the summary listed the job as stopped for good)
+    assert json.loads((sweep / "0" / "result.json").read_text())["status"] == "requeued"
 
     release_requeued(job)
     assert proc.wait(timeout=600) == 0, (sweep.parent / "preempted.log").read_text()[-3000:]

@@ -139,6 +139,11 @@ def test_a_job_slurm_forgot_is_read_from_its_run_directory(tmp_path) -> None:
     run_dir = _run_dir(tmp_path, None, steps=5)
     assert status.from_run_dir(run_dir) == ("ended",
                                             "ended without a result at step 5 of 40 (killed?)")
+    # Requeued by Slurm as it stopped (its record says so), the job no longer listed (no
+    # accounting): it runs again by itself, not an interruption left to the user.
+    requeued = _run_dir(tmp_path / "requeued", {"status": "requeued", "wall_s": 1.0}, steps=5)
+    assert status.from_run_dir(requeued) == ("queued",
+                                             "requeued at step 5 of 40, waiting to run again")
     (run_dir / ".run.lock").write_text(f"{__import__('os').getpid()} "
                                        f"{__import__('os').uname().nodename}\n")
     assert status.from_run_dir(run_dir) == ("running", f"running at step 5 of 40 (pid "

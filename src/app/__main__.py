@@ -53,6 +53,16 @@ except UserError as e:  # (MPI variables without MASTER_ADDR): one line, before 
 job_started = False
 
 
+def _ended_status(stopped: bool) -> str:
+    """The status of a run that did not complete: "requeued" where Slurm runs it again by
+    itself (a preemption: submitit's handler requeues the job, then exits; a failed node)."""
+    from app import slurm
+
+    if slurm.requeued_since_start():
+        return "requeued"
+    return "interrupted" if stopped else "failed"
+
+
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> float | None:
     global job_started
@@ -104,7 +114,7 @@ def main(dict_cfg: DictConfig) -> float | None:
         # (RunDirInUse: the run is another command's. A command that trained nothing leaves
         # the record of the run there as it was.)
         if record and not isinstance(e, RunDirInUse) and not run_record.put_back(run_dir):
-            write_result(run_dir, "interrupted" if stopped else "failed",
+            write_result(run_dir, _ended_status(stopped),
                          time.monotonic() - started, one_line(e), raise_errors=False)
         # A refused job of a submitit sweep fails its task (the job must not pass as done,
         # and the run directory's records are the other command's).

@@ -79,6 +79,8 @@ def from_run_dir(run_dir: Path) -> tuple[str, str]:
         return status, f"completed: {best}step {summary['steps'] or 0}{again}"
     if status in ENDED_BADLY:
         return status, f"{status}{_where(run_dir)}: {summary['error'] or 'no error recorded'}"
+    if status == "requeued":  # (Slurm's own account of it is gone: no accounting, or purged)
+        return "queued", f"requeued{_where(run_dir)}, waiting to run again{again}"
     try:  # a live process on this host that holds the run's lock (a local run)
         pid, host = (run_dir / LOCK_NAME).read_text().split()
         os.kill(int(pid), 0)
