@@ -91,6 +91,12 @@ def test_a_detached_sweep_is_followed_then_summarised(tmp_path) -> None:
         assert report.returncode == 0, report.stderr
         rows = (sweep / "summary.csv").read_text().splitlines()[1:]
         assert len(rows) == 4 and sum(",completed," in r for r in rows) == 3, rows
+        # Once more: the failed job is submitted again, and the command says so.
+        last = submit(sweep, *sweep_args, timeout=120)
+        output = last.stdout + last.stderr
+        assert output.count("not submitted again") == 3, output[-3000:]
+        assert f"job #0 (slurm job {ids[0]}) of an earlier submission of this sweep ended " \
+            "failed: submitted again" in output, output[-3000:]
         print(f"detached sweep: submitted and ended in {time.monotonic() - started:.0f} s")
     finally:
         _scancel(sweep)

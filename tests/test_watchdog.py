@@ -163,7 +163,8 @@ def test_each_verdict_writes_a_section_of_its_own(tmp_path, monkeypatch) -> None
     progress.stalled.clear()
     text = path.read_text()
     assert text.startswith("Thread 0x1") and stalls == ["first stall", "second stall"]
-    sections = text.split("=== ")[1:]
+    header, *sections = text.split("=== ")[1:]
+    assert header.split(": ")[1].startswith(f"each `kill -s RTMIN+4 {os.getpid()}` writes")
     assert [s.split("rank 1: ")[1].splitlines()[0].split(" (pid")[0] for s in sections] == \
         ["first stall", "second stall"]
     assert all("most recent call first" in s for s in sections), text
@@ -368,6 +369,9 @@ def test_every_process_of_a_run_writes_its_stacks_on_the_dump_signal(tmp_path) -
     for name, where in (("launcher", "spawn.py"), ("rank1", "training/loop.py")):
         stacks = (run_dir / "logs" / f"{name}.stacks").read_text()
         assert "most recent call first" in stacks and where in stacks, stacks
+        # (which process: a requeued job or a resumed run appends to the same file)
+        assert re.match(r"=== \S+ \S+ pid \d+ on \S+: each `kill -s RTMIN\+4 \d+` writes its "
+                        r"stacks below\n", stacks), stacks
     assert not (run_dir / "logs" / "rank0.stacks").exists()  # (no dump: no file)
 
 

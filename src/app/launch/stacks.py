@@ -9,7 +9,9 @@ import contextlib
 import faulthandler
 import os
 import signal
+import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,18 +30,28 @@ def stacks_to_stderr() -> None:
 
 @contextlib.contextmanager
 def stacks_on_signal(path: Path) -> Iterator[None]:
-    """While it runs, the dump signal appends this process's stacks to `path` (removed at the
-    end when nothing was written). faulthandler's handler runs in C, so it writes even when
-    the main thread is stuck without the GIL."""
+    """While it runs, the dump signal appends this process's stacks to `path` after a header
+    naming the process (taken back at the end when no dump came). faulthandler's handler runs
+    in C, so it writes even when the main thread is stuck without the GIL."""
     if DUMP_SIGNAL is None:
         yield
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as file:
+        before = os.fstat(file.fileno()).st_size
+        # Whose dumps follow (the C handler writes stacks only; a requeued job or a resumed
+        # run appends to the same file), written now and taken back when none came.
+        file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} on "
+                   f"{socket.gethostname()}: each `kill -s RTMIN+4 {os.getpid()}` writes its "
+                   f"stacks below\n")
+        file.flush()
+        headed = os.fstat(file.fileno()).st_size
         faulthandler.register(DUMP_SIGNAL, file=file, all_threads=True)
         try:
             yield
         finally:
             stacks_to_stderr()
-            if os.fstat(file.fileno()).st_size == 0:
-                path.unlink(missing_ok=True)
+            if os.fstat(file.fileno()).st_size == headed:
+                file.truncate(before)
+                if before == 0:
+                    path.unlink(missing_ok=True)

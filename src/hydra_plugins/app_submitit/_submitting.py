@@ -34,6 +34,7 @@ class SubmitSide:
     def _submit_locked(self, submitit: Any, executor: Any, overrides: dict[int, list[str]],
                        sweep_dir: Path) -> dict[int, Any]:
         from app.errors import RecordUnreadable
+        from app.reporting.results import read_result
         from app.sweeps import record as sweep_record
         from app.sweeps.dirs import conflicts
 
@@ -56,6 +57,12 @@ class SubmitSide:
                          "sweep: not submitted again", num, job_id, state)
                 jobs[num] = submitit.SlurmJob(folder=self.params["submitit_folder"],
                                               job_id=job_id, tasks=range(self._num_tasks()))
+            for num, job in sweep_record.jobs_by_num(record).items():
+                if num in overrides and num not in jobs and job.get("job_id"):
+                    ended = read_result(Path(job["run_dir"])).get("status") or "no result"
+                    log.info("job #%d (slurm job %s) of an earlier submission of this sweep "
+                             "ended %s: submitted again, to resume from its last checkpoint "
+                             "(if it has one)", num, job["job_id"], ended)
         fresh = [num for num in nums if num not in jobs]
         self.followed = len(jobs)  # (from an earlier submission)
         if fresh and self._EXECUTOR == "slurm" and self.code_snapshot:
