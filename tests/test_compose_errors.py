@@ -72,7 +72,7 @@ def test_an_unknown_group_option_gets_the_nearest(overrides: list[str], line: st
 @pytest.mark.parametrize("overrides", [
     ["trainer.zzz=1"],  # nothing near: Hydra's report says how to add a key
     ["data.newkey=1"],  # (a data set takes the loader's keys as **kwargs: it may take it)
-    ["+experiment=nope", "hydra.searchpath=[file:///nowhere]"],  # Hydra lists where it looked
+    ["+experiment=nope", "hydra.searchpath=[file:///]"],  # Hydra lists where it looked
     ["trainer.max_epochs=many"],  # a wrong type, a value outside a closed set: Hydra says it
     ["precision=16"],
     ["trainer.monitor_mode=up"],
@@ -110,6 +110,48 @@ def test_a_config_files_misspelt_key_renamed_key_and_unknown_option(tmp_path) ->
     assert _added(path, "+experiment=key") == "trainer.max_stepz: did you mean trainer.max_steps?"
     assert _added(path, "+experiment=moved") == "ema was renamed to trainer.ema"
     assert _added(path, "+experiment=option") == "model=resnt: did you mean model=resnet?"
+
+
+@pytest.mark.parametrize("searchpath,line", [
+    # Hydra's override grammar refuses a ~ (a parse error, naming no fix).
+    ("[~/x]", 'Hydra does not expand ~; write "hydra.searchpath=[file://$HOME/x]"'),
+    ("[file://~/x]", 'Hydra does not expand ~; write "hydra.searchpath=[file://$HOME/x]"'),
+    ("~/x", 'Hydra does not expand ~; write "hydra.searchpath=[file://$HOME/x]"'),
+    # Quoted, Hydra takes ~ as the name of a folder, which is not there: "Could not find".
+    ('["~/x"]', 'Hydra does not expand ~; write "hydra.searchpath=[file://$HOME/x]"'),
+    # "hydra.searchpath must be a list of strings. Got: file://conf"
+    ("file://conf", 'Hydra takes a list, in brackets; write "hydra.searchpath=[file://conf]"'),
+    ("/abs/conf", 'Hydra takes a list, in brackets; write "hydra.searchpath=[file:///abs/conf]"'),
+    ("[file:///nowhere]", "the folder /nowhere does not exist"),
+    ("[/nowhere,pkg://app]", "the folder /nowhere does not exist"),
+    # In '...', the shell leaves $HOME as it is: a folder of that name, not there.
+    ("[file://$HOME/x]", "the folder $HOME/x does not exist (the shell leaves a $ in '...' as "
+                         'it is: quote with "...")'),
+])
+def test_a_searchpath_hydra_refuses_or_finds_nothing_in_says_what_to_write(
+        searchpath: str, line: str) -> None:
+    typed = f"hydra.searchpath={searchpath}"
+    assert _added(typed, "model=mine") == f"{typed}: {line}"
+
+
+def test_a_searchpath_relative_absent_or_one_level_off_names_the_folder(tmp_path,
+                                                                        monkeypatch) -> None:
+    (tmp_path / "proj" / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "proj" / "conf" / "model" / "mine.yaml").write_text("_target_: app.models.MLP\n")
+    monkeypatch.chdir(tmp_path)
+    # Hydra 1.3 reads a folder without file://, relative to the folder the command runs in.
+    for folder in ("proj/conf", "file://proj/conf", str(tmp_path / "proj" / "conf")):
+        assert compose_error([f"hydra.searchpath=[{folder}]", "model=mine"]) is None
+    assert _added("hydra.searchpath=[file://conf]", "model=mine") == (
+        f"hydra.searchpath=[file://conf]: the folder conf does not exist in {tmp_path}, the "
+        f"folder the command runs in")
+    for folder in ("file://proj", "proj/conf/model"):
+        assert _added(f"hydra.searchpath=[{folder}]", "model=mine") == (
+            f"hydra.searchpath=[{folder}]: model/mine.yaml is not in {folder.split('//')[-1]} "
+            f'but in proj/conf; write "hydra.searchpath=[file://proj/conf]"')
+    # A misspelt option of app's own, the folder being right: the nearest option.
+    assert _added("hydra.searchpath=[file://proj/conf]", "model=resnt") == \
+        "model=resnt: did you mean model=resnet?"
 
 
 @pytest.mark.parametrize("text,where,words", [
@@ -163,6 +205,9 @@ def test_a_sweep_is_composed_one_value_at_a_time() -> None:
     (["--multirun", "trainer.max_epoch=3,4"], 2,
      "trainer.max_epoch: did you mean trainer.max_epochs?\n"),
     (["trainer.monitor_mode=up"], 2, ""),  # bad input, and Hydra's report says it all
+    (["hydra.searchpath=[~/x]", "model=mine"], 2,
+     'hydra.searchpath=[~/x]: Hydra does not expand ~; write "hydra.searchpath=[file://$HOME/x]"'
+     '\n'),
     (["-cn", "nope"], 1, ""),  # another primary config: Hydra's report alone
     (["trainer.max_epochs=3"], 1, ""),  # it composes: what failed was not the config
     (["-sc", "query=bash"], 1, ""),  # tab completion's arguments, not overrides

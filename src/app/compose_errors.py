@@ -5,7 +5,8 @@ composes the same overrides once more with Hydra's compose API to hold the excep
 one line where Hydra's words leave the user looking: where a config file is not valid YAML,
 the nearest key to a misspelt one (or a moved key's new name), the nearest option of a group
 (or where an option of your own goes), the file of a group option that is not a mapping, a ~
-the shell did not expand.
+the shell did not expand, a `hydra.searchpath` written so that Hydra refuses it or finds nothing
+in it.
 The exit status is then 2, bad input. Nothing is composed again once a job started, nor
 with HYDRA_FULL_ERROR=1 (Hydra raises, its traceback left alone).
 """
@@ -96,6 +97,8 @@ def addition(error: BaseException, overrides: list[str]) -> str | None:
             return (f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: "
                     f"{seen.problem or seen.context}")
         seen = seen.__cause__ or seen.__context__
+    if (line := _searchpath_line(error, overrides)) is not None:
+        return line
     if isinstance(error, OverrideParseException):
         return _tilde_line(overrides)
     if isinstance(error, MissingConfigException) and error.missing_cfg_file:
@@ -119,6 +122,55 @@ def _option_line(error: MissingConfigException, overrides: list[str]) -> str | N
         return None  # (Hydra's report lists where it looked)
     return (f"{typed}: an option of your own is a file {group}/{name}.yaml in a folder of "
             f"yours, given as hydra.searchpath=[file://FOLDER] (docs/quickstart.md)")
+
+
+def _searchpath_line(error: BaseException, overrides: list[str]) -> str | None:
+    """What to write for a `hydra.searchpath` Hydra refused (a ~, which it does not expand;
+    no brackets) or found no option in (a folder that is not there, or one level off)."""
+    typed = next((a for a in overrides if re.match(r"\+*hydra\.searchpath=", a)), None)
+    first = str(error).partition("\n")[0]
+    not_found = isinstance(error, MissingConfigException) and error.missing_cfg_file
+    if typed is None or not (not_found or "hydra.searchpath" in first):
+        return None
+    value = typed.partition("=")[2].strip()
+    listed = value.startswith("[") and value.endswith("]")
+    # (scheme, path) of each folder; Hydra reads one without a scheme as file://.
+    folders = [(scheme, path) if sep else ("file", scheme) for scheme, sep, path in (
+        e.strip(" '\"").partition("://") for e in value.strip(" '\"[]").split(",")
+        if e.strip(" '\""))]
+
+    def written(folders: list[tuple[str, str]]) -> str:
+        shown = [f"file://$HOME{path[1:]}" if scheme == "file" and re.match(r"~(/|$)", path)
+                 else f"{scheme}://{path}" for scheme, path in folders]
+        return f'"hydra.searchpath=[{",".join(shown)}]"'  # ($HOME expands in "", [ is kept)
+
+    tilde = any(s == "file" and re.match(r"~(/|$)", p) for s, p in folders)
+    if tilde or not listed:
+        why = "Hydra does not expand ~" if tilde else "Hydra takes a list, in brackets"
+        return f"{typed}: {why}; write {written(folders)}"
+    if not not_found:
+        return None
+    absent = [p for s, p in folders if s == "file" and not Path(p).is_dir()]
+    if absent:
+        if "$" in absent[0]:
+            where = " (the shell leaves a $ in '...' as it is: quote with \"...\")"
+        else:
+            where = "" if Path(absent[0]).is_absolute() else \
+                f" in {Path.cwd()}, the folder the command runs in"
+        return f"{typed}: the folder {absent[0]} does not exist{where}"
+    # A folder one level off: `conf/model` or `myproject` for `myproject/conf`.
+    group, _, name = error.missing_cfg_file.rpartition("/")
+    for i, (scheme, path) in enumerate(folders):
+        folder = Path(path)
+        if scheme != "file" or not group:
+            continue
+        found = [folder.parent] if folder.name == group and (folder / f"{name}.yaml").is_file() \
+            else [p.parents[1] for p in sorted(folder.glob(f"*/{group}/{name}.yaml"))]
+        if found:
+            better = folders[:i] + [("file", str(found[0]))] + folders[i + 1:]
+            return (f"{typed}: {group}/{name}.yaml is not in {path} but in {found[0]}; write "
+                    f"{written(better)}")
+    return None
 
 
 def _tilde_line(overrides: list[str]) -> str | None:
