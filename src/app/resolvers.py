@@ -1,5 +1,5 @@
 """OmegaConf resolvers used in conf/: the run directory's name, SLURM resources, the path of
-the reference page (--help)."""
+the reference page and the config groups (--help)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 
 from app.conf_dir import reference
 from app.errors import UserError
+from app.help import config_groups
 from app.rundir.name import run_name
 
 
@@ -24,6 +25,7 @@ def slurm_gpus_per_node(accelerator: str, devices: int | str) -> int | None:
 
 def register_resolvers() -> None:
     for name, fn in (("app_run_name", run_name), ("app_tasks_per_node", slurm_tasks_per_node),
-                     ("app_gpus_per_node", slurm_gpus_per_node), ("app_reference", reference)):
+                     ("app_gpus_per_node", slurm_gpus_per_node), ("app_reference", reference),
+                     ("app_config_groups", config_groups)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
