@@ -122,3 +122,48 @@ def test_resuming_a_finished_run_longer_warns_that_its_schedule_ended(sweep, tmp
     job = run_job(run, *LR_SWEEP[:3], "trainer.max_epochs=4", "optimizer.lr=0.01")
     assert "resumed with trainer.max_epochs=4 (saved: 3): the learning-rate schedule goes on " \
            "as it was saved" in job.output, job.output[-2000:]
+
+
+def test_a_runs_relative_data_root_is_read_from_where_the_run_was_started(tmp_path, monkeypatch,
+                                                                           caplog) -> None:
+    """A run trained with data.root=shapes, started in `started`: evaluated from another folder,
+    its data is still started/shapes (it was "no such folder"), and the run= line says so."""
+    from hydra import compose, initialize_config_dir
+
+    from app.config import register_schemas
+    from app.from_run import apply_run
+    from conftest import CONF_DIR
+
+    register_schemas()
+    started, elsewhere, run = tmp_path / "started", tmp_path / "elsewhere", tmp_path / "run"
+    for folder in (started / "shapes", elsewhere, run / ".hydra", run / "checkpoints"):
+        folder.mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(
+        "data:\n  _target_: app.data.ImageFolder\n  root: shapes\n  train_split: train\n"
+        "precision: '32'\n")
+    (run / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {started}\n")
+    (run / "checkpoints" / "best.pt").write_bytes(b"")
+    (started / "train").mkdir()  # (a folder by a split's name: train_split is not a path)
+
+    def data(*overrides: str) -> dict:
+        overrides = ("trainer=eval", f"run={run}", *overrides)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            composed = compose("config", overrides=list(overrides))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="app.from_run"):
+            return dict(apply_run(composed, list(overrides)).data)
+
+    monkeypatch.chdir(elsewhere)
+    assert data() == {"_target_": "app.data.ImageFolder", "root": str(started / "shapes"),
+                      "train_split": "train"}
+    assert f"run={run}: data, precision from its config (data.root=shapes as " \
+           f"{started / 'shapes'}: relative to {started}, where the run was started), " \
+           f"weights from" in caplog.text
+    assert data("+data.root=mine")["root"] == "mine"  # the command line's: relative to here
+    (started / "shapes").rmdir()
+    assert data()["root"] == "shapes"  # (not there: left as the run had it, and said)
+    assert f"data.root=shapes (from its config) is neither in {started}, where the run was " \
+           "started, nor here: give data.root=/ABS/PATH" in caplog.text
+    (started / "shapes").mkdir()
+    monkeypatch.chdir(started)  # from the folder it was started in: as it was
+    assert data()["root"] == "shapes" and "relative to" not in caplog.text

@@ -3,11 +3,14 @@ and the precision it was trained with, and its checkpoints the weights (`ckpt`: 
 or `ckpt=last` / `ckpt=best`), so that `python -m app trainer=eval run=outputs/DAY/TIME`
 needs nothing retyped. What the command line sets still wins; where it differs from the run,
 one line says so. A sweep's job directory is a run directory like any other.
+A relative path in what is taken (`data.root=shapes`) is the run's: read from the folder the
+run was started in (its .hydra/hydra.yaml keeps it), so that the command works from any folder.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -22,6 +25,9 @@ log = logging.getLogger(__name__)
 TAKEN = ("model", "data", "precision")
 # `ckpt=` words that name one of the run's own checkpoints.
 CHECKPOINTS = {"best": "best.pt", "last": "last.pt"}
+# The keys of a file or a folder (data.root, data.path, a data set's own cache_dir): of those
+# alone a relative value is a path (data.train_split=train is not, whatever the folder holds).
+PATH_KEY = re.compile(r"(^|_)(root|path|dir|folder|file)$")
 
 
 def _set(given: set[str], leaf: str) -> bool:
@@ -46,6 +52,39 @@ def _checkpoint(path: Path, ckpt: str | None, run: str) -> str:
         if is_checkpoint(folder / name):
             return str(folder / name)
     raise UserError(f"run={run}: the run has no checkpoint (checkpoints/best.pt or last.pt)")
+
+
+def _started_in(path: Path) -> Path | None:
+    """The folder the run was started in, which its relative paths were read from."""
+    try:
+        return Path(OmegaConf.load(path / ".hydra" / "hydra.yaml").hydra.runtime.cwd)
+    except Exception:  # (no hydra.yaml, an older or hand-made one): the paths left as they are
+        return None
+
+
+def _run_paths(composed: DictConfig, saved: DictConfig, given: set[str], path: Path,
+               run: str) -> str:
+    """The run's relative paths that the command line does not set, made absolute from the
+    folder the run was started in where they are there; what run='s line says of them."""
+    started = _started_in(path)
+    if started is None or started.resolve() == Path.cwd().resolve():
+        return ""
+    done = []
+    for key in (k for k in TAKEN if k in saved):
+        for leaf, value in leaves(saved._get_node(key), key).items():
+            if not isinstance(value, str) or not value.strip() or _set(given, leaf) or \
+                    not PATH_KEY.search(leaf.rpartition(".")[2]) or \
+                    value.startswith(("~", "$", "/")) or "://" in value:
+                continue
+            if (started / value).exists():
+                OmegaConf.update(composed, leaf, str(started / value))
+                done.append(f"{leaf}={value} as {started / value}")
+            elif not Path(value).exists():
+                log.warning("run=%s: %s=%s (from its config) is neither in %s, where the run was "
+                            "started, nor here: give %s=/ABS/PATH", run, leaf, value, started,
+                            leaf)
+    return f" ({', '.join(done)}: relative to {started}, where the run was started)" if done \
+        else ""
 
 
 def apply_run(composed: DictConfig, overrides: list[str]) -> DictConfig:
@@ -100,9 +139,10 @@ def apply_run(composed: DictConfig, overrides: list[str]) -> DictConfig:
                        if theirs.get(leaf, object()) != mine[leaf]]
         if "ckpt" not in given or ckpt in CHECKPOINTS:
             composed["ckpt"] = _checkpoint(path, ckpt, str(run))
+        relative = _run_paths(composed, saved, given, path, str(run))
     if differ:
         log.warning("run=%s: the command line differs from the run in %s; the command line "
                     "wins", run, ", ".join(differ))
-    log.info("run=%s: %s from its config, weights from %s", run,
-             ", ".join(k for k in TAKEN if k in saved), composed["ckpt"])
+    log.info("run=%s: %s from its config%s, weights from %s", run,
+             ", ".join(k for k in TAKEN if k in saved), relative, composed["ckpt"])
     return composed
