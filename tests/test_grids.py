@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from app.reporting.grids import CELL, GREEN, LABEL_H, RED, TITLE_H, save_grid
+from app.reporting.grids import CELL, GREEN, LABEL_H, LINE_H, RED, TITLE_H, save_grid
 
 
 def _open(path) -> Image.Image:
@@ -83,14 +83,15 @@ def test_class_names_label_the_cells_and_a_long_one_stays_in_its_cell(tmp_path) 
     assert first.min() > 0 and first.max() < CELL[0] - 1  # the label ends inside its cell
 
 
-def _drawn_labels(monkeypatch) -> list[tuple[str, object]]:
-    """The (text, font) of every label the grid draws (the title is not recorded)."""
+def _drawn_labels(monkeypatch) -> list[tuple[str, object, tuple[int, int, int, int]]]:
+    """The (text, font, box drawn in) of every line the grid draws, its title's first."""
     from PIL import ImageDraw
 
     drawn, real = [], ImageDraw.ImageDraw.text
 
     def text(self, xy, content, *args, **kwargs):
-        drawn.append((content, kwargs.get("font")))
+        box = self.textbbox(xy, content, font=kwargs.get("font"), anchor=kwargs.get("anchor"))
+        drawn.append((content, kwargs.get("font"), box))
         return real(self, xy, content, *args, **kwargs)
 
     monkeypatch.setattr(ImageDraw.ImageDraw, "text", text)
@@ -109,19 +110,73 @@ def test_names_beyond_ascii_are_drawn_with_a_font_that_has_them_or_as_indices(
     labels = drawn[1:]
     system = grids._fonts(12)[1:]  # the fallback fonts this machine has
     if any(grids._draws(f, "".join(classes)) for f in system):
-        assert [t for t, _ in labels] == ["pred café / true café", "pred Жук / true Жук"]
-        assert all(grids._draws(font, text) for text, font in labels)
+        assert [t for t, *_ in labels] == ["pred café / true café", "pred Жук / true Жук"]
+        assert all(grids._draws(font, text) for text, font, _ in labels)
     else:
         print("no system font here draws", classes, "- the grid gives their indices")
-        assert [t for t, _ in labels] == ["pred #0 / true #0", "pred #1 / true #1"]
-    # Where no font draws them, the indices (and the PNG's text keeps the names).
+        assert [t for t, *_ in labels] == ["pred #0 / true #0", "pred #1 / true #1"]
+    # Where no font draws them, the indices, and a file name's "?" (the PNG's text keeps them).
     drawn.clear()
     monkeypatch.setattr(grids, "FALLBACK_FONTS", ())
     grids._fonts.cache_clear()
     try:
-        save_grid(torch.rand(1, 3, 4, 4), [1], None, "t", tmp_path / "b.png", classes=classes)
+        save_grid(torch.rand(1, 3, 4, 4), [1], None, "t", tmp_path / "b.png", classes=classes,
+                  names=["жук.png"])
     finally:
         grids._fonts.cache_clear()
-    assert [t for t, _ in drawn[1:]] == ["pred #1"]
-    assert _open(tmp_path / "b.png").text["Description"] == "pred Жук"
+    assert [t for t, *_ in drawn[1:]] == ["???.png", "pred #1"]
+    assert _open(tmp_path / "b.png").text["Description"] == "жук.png: pred Жук"
     assert grids._draws(grids._fonts(12)[0], "pred 7 / true cat")  # ASCII: Pillow's own font
+
+
+def test_captions_fit_their_cells_whole_or_shortened_in_the_middle(tmp_path, monkeypatch) -> None:
+    """Each caption line lies inside its cell's label band (measured as drawn): labels too
+    wide for a line go on two, a long file name loses its middle, not its end (the number
+    and suffix that tell it from its neighbours); the PNG's text keeps them whole."""
+    names = ["7.png", "IMG_20240517_143502_scan_of_handwritten_digit_from_notebook_page_12.png"]
+    classes = ["pickup_truck", "sports_car"]
+    drawn = _drawn_labels(monkeypatch)
+    for grid, named in (("named", names), ("unnamed", None)):
+        drawn.clear()
+        save_grid(torch.rand(2, 3, 4, 4), [0, 1], [1, 1], "t", tmp_path / f"{grid}.png",
+                  classes=classes, indices=[104, 3], names=named)
+        lines = [(text, box) for text, font, box in drawn if font.size < 14]  # (not the title)
+        texts = [text for text, _ in lines]
+        if named:
+            head, tail = texts[3].split("...")
+            assert names[1].startswith(head) and names[1].endswith(tail)
+            assert len(head) >= 8 and tail.endswith("_12.png")
+            assert texts == ["7.png", "#104 pred pickup_truck", "true sports_car",
+                             texts[3], "#3 pred sports_car", "true sports_car"]
+            band = 3 * LINE_H + 4
+        else:
+            assert texts == ["#104 pred pickup_truck", "true sports_car",
+                             "#3 pred sports_car", "true sports_car"]
+            band = LABEL_H
+        for i, (_, (left, top, right, bottom)) in enumerate(lines):
+            cell = i // (len(lines) // 2)
+            assert cell * CELL[0] < left and right < (cell + 1) * CELL[0]
+            assert TITLE_H <= top and bottom <= TITLE_H + band
+        image = _open(tmp_path / f"{grid}.png")
+        assert image.size == (2 * CELL[0], TITLE_H + CELL[1] + band - LABEL_H)
+    assert _open(tmp_path / "named.png").text["Description"] == \
+        f"7.png: #104 pred pickup_truck / true sports_car; {names[1]}: #3 pred sports_car / " \
+        f"true sports_car"
+
+
+def test_a_title_too_long_for_a_narrow_grid_is_wrapped_whole(tmp_path, monkeypatch) -> None:
+    """A grid of one image is 160 pixels wide: a long title (and a checkpoint name wider than
+    that) takes more lines, the band above the cells growing for them, and none is cut."""
+    drawn = _drawn_labels(monkeypatch)
+    title = "epoch=12-step=3400-val_loss=0.1234.ckpt: 1 of 120 inputs, the mistakes first: " \
+            "1 of 7 wrong (red); accuracy 94.17%"
+    save_grid(torch.rand(1, 1, 8, 8), [0], [1], title, tmp_path / "a.png")
+    lines = [(text, box) for text, font, box in drawn if font.size == 14]
+    assert len(lines) > 2
+    assert "".join(text for text, _ in lines).replace(" ", "") == title.replace(" ", "")
+    assert all(0 <= box[0] and box[2] <= CELL[0] for _, box in lines)
+    image = _open(tmp_path / "a.png")
+    assert image.size == (CELL[0], CELL[1] + TITLE_H + 18 * (len(lines) - 2))
+    (_, caption), = [(t, box) for t, font, box in drawn if font.size < 14]
+    assert caption[1] > lines[-1][1][3]  # below the title
+    assert _has(np.asarray(image.convert("RGB"))[-CELL[1]:][:LABEL_H], RED)

@@ -87,8 +87,11 @@ def test_a_folder_of_class_folders_is_labelled_and_scored(trained, val, tmp_path
     assert 0 < right < len(rows) and accuracy == right / len(rows)
     assert f"predicted 60 inputs -> {tmp_path / 'run'}" in caplog.text
     assert f"; accuracy {accuracy:.4f}" in caplog.text
-    title, _, _ = _picture(tmp_path / "run")
-    assert f"60 inputs, accuracy {accuracy:.2%}: {60 - right} wrong" in title
+    title, cells, _ = _picture(tmp_path / "run")
+    assert title == f"best.pt: 32 of 60 inputs, the mistakes first: all {60 - right} wrong " \
+                    f"(red), {32 - (60 - right)} of {right} right (green); accuracy {accuracy:.2%}"
+    name, number = cells[0].split(": #")  # each cell names its file
+    assert name == Path(rows[int(number.split(" ")[0])]["input"]).name
     assert not _warnings(caplog)
 
 
@@ -123,6 +126,30 @@ def test_a_sub_folder_that_names_no_class_is_refused_naming_it(tmp_path, data, f
     with pytest.raises(UserError) as error:
         load_inputs(str(tmp_path / "in"), data)
     assert str(error.value) == f"predict.input={tmp_path / 'in'}: {words}"
+
+
+class _Counted(torch.utils.data.Dataset):
+    """Four validation inputs that count their reads."""
+
+    reads = 0
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        self.reads += 1
+        return torch.full((1, 8, 8), i / 4), 0
+
+
+def test_the_checks_of_inputs_read_the_validation_data_once(tmp_path) -> None:
+    """The range and inversion checks compare inputs with one sample of the validation data
+    (an image folder's decoded from disk): each check read it again."""
+    data = _Digits()
+    data.val = _Counted()
+    np.save(tmp_path / "x.npy", np.zeros((2, 8, 8)))
+    load_inputs(str(tmp_path / "x.npy"), data)  # (the range check)
+    _warn_if_inverted(0.0, data, str(tmp_path / "x.npy"))
+    assert data.val.reads == 4
 
 
 def test_images_beside_class_folders_are_predicted_alone_unlabelled(tmp_path, caplog) -> None:
@@ -216,7 +243,8 @@ def _colours(image: Image.Image, cells: int) -> list[tuple[int, int, int]]:
 
 def test_the_picture_shows_the_mistakes_first(trained, tmp_path) -> None:
     """The validation split: its first mistakes, then its first right ones, each numbered as
-    in predictions.csv; the title counts the whole split. Unlabelled inputs: in order."""
+    in predictions.csv; the title says how many of the split it shows, and which. Unlabelled
+    inputs: in order."""
     accuracy, rows = _predict(trained, tmp_path / "val", "predict.num_show=20")
     wrong = [int(r["index"]) for r in rows if r["pred"] != r["label"]]
     right = [int(r["index"]) for r in rows if r["pred"] == r["label"]]
@@ -227,8 +255,9 @@ def test_the_picture_shows_the_mistakes_first(trained, tmp_path) -> None:
     first = rows[wrong[0]]
     assert cells[0] == f"#{wrong[0]} pred {first['pred']} / true {first['label']}"
     assert _colours(image, 20) == [RED] * min(20, len(wrong)) + [GREEN] * max(0, 20 - len(wrong))
-    assert title == f"best.pt: {len(rows)} inputs, accuracy {accuracy:.2%}: {len(wrong)} wrong " \
-                    f"(red, shown first), {len(right)} right (green)"
+    assert len(wrong) > 20  # (the trained model's: all shown are mistakes)
+    assert title == f"best.pt: 20 of {len(rows)} inputs, the mistakes first: 20 of " \
+                    f"{len(wrong)} wrong (red); accuracy {accuracy:.2%}"
 
 
 def test_unlabelled_inputs_are_shown_in_order(trained, val, tmp_path) -> None:
@@ -236,8 +265,8 @@ def test_unlabelled_inputs_are_shown_in_order(trained, val, tmp_path) -> None:
     _, rows = _predict(trained, tmp_path / "run", f"predict.input={tmp_path / 'flat'}",
                        "predict.num_show=6")
     title, cells, _ = _picture(tmp_path / "run")
-    assert title == "best.pt: 10 inputs"
-    assert cells == [f"pred {r['pred']}" for r in rows[:6]]
+    assert title == "best.pt: the first 6 of 10 inputs"
+    assert cells == [f"{Path(r['input']).name}: pred {r['pred']}" for r in rows[:6]]
 
 
 class Normalised(DataModule):

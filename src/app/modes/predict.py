@@ -11,6 +11,7 @@ is). The pictures show inputs as they are (`show`), the mistakes first.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import logging
 import os
@@ -83,8 +84,7 @@ def _warn_unless_in_range(x: torch.Tensor, data: DataModule, path: Path) -> None
     """An array is taken as the model takes its inputs, unscaled: a warning when its values
     lie far outside the validation data's (pixels of 0 to 255, or 0 to 16, where the model saw
     0 to 1): labels that mean nothing, but no error (the values may be right)."""
-    seen = next(iter(DataLoader(data.val, batch_size=64)))[0]
-    low, high = float(seen.min()), float(seen.max())
+    low, high, _ = _validation_range(data)
     span = high - low or 1.0
     if float(x.min()) < low - span or float(x.max()) > high + span:
         log.warning("predict.input=%s: values from %.4g to %.4g, far outside the validation "
@@ -102,8 +102,7 @@ def _warn_if_inverted(mean: float, data: DataModule, source: str) -> None:
     light strokes on dark, labelled wrong at a high confidence. Not for data whose mean lies
     near the middle of its range (inverting it hardly moves the mean: normalised photos), nor
     for inputs out of the range (values unscaled: _warn_unless_in_range)."""
-    sample = next(iter(DataLoader(_spread(data.val, 64), batch_size=64)))[0].double()
-    low, high, usual = float(sample.min()), float(sample.max()), float(sample.mean())
+    low, high, usual = _validation_range(data)
     gap = low + high - 2 * usual  # from the usual mean to the inverted one
     if abs(gap) > 0.25 * (high - low) and (mean - usual) / gap > INVERTED \
             and low <= mean <= high:
@@ -118,10 +117,12 @@ def _warn_if_inverted(mean: float, data: DataModule, source: str) -> None:
                     usual_look, fix)
 
 
-def _spread(dataset, count: int) -> Subset:
-    """Up to `count` samples spread over the data set (its start may be all one class)."""
-    return Subset(dataset, sorted(set(np.linspace(0, len(dataset) - 1, count).round()
-                                      .astype(int).tolist())))
+@functools.lru_cache(maxsize=1)  # read once per run (an image folder's from disk), for 3 checks
+def _validation_range(data: DataModule) -> tuple[float, float, float]:
+    """Lowest, highest, mean of 64 validation inputs spread out (the first may be one class)."""
+    at = np.unique(np.linspace(0, len(data.val) - 1, 64).round().astype(int)).tolist()
+    x = next(iter(DataLoader(Subset(data.val, at), batch_size=64)))[0].double()
+    return float(x.min()), float(x.max()), float(x.mean())
 
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor | None]]  # inputs, labels or None
@@ -134,6 +135,7 @@ class Inputs:
 
     names: list[str]
     batches: Callable[[int], Batches]
+    files: bool = False  # whether the names are files' (the picture then names them)
 
 
 def _warn_unless_decoded_as_trained(data: DataModule, source: Path) -> None:
@@ -142,8 +144,7 @@ def _warn_unless_decoded_as_trained(data: DataModule, source: Path) -> None:
     its evaluation said 0.92)."""
     if type(data).decode_file is not DataModule.decode_file:
         return
-    seen = next(iter(DataLoader(data.val, batch_size=64)))[0]
-    low, high = float(seen.min()), float(seen.max())
+    low, high, _ = _validation_range(data)
     if low < -0.05 or high > 1.05:
         log.warning("predict.input=%s: %s has no decode_file of its own, so the images are read "
                     "as pixels from 0 to 1, but its validation inputs range from %.3g to %.3g: "
@@ -159,7 +160,7 @@ def _files(files: list[Path], data: DataModule, source: Path,
             x = torch.stack([_decoded(f, data, source) for f in files[start:start + size]])
             yield x, None if labels is None else torch.tensor(labels[start:start + size])
 
-    return Inputs([str(f) for f in files], batches)
+    return Inputs([str(f) for f in files], batches, files=True)
 
 
 def _images_in(folder: Path) -> list[Path]:
@@ -246,7 +247,8 @@ def load_inputs(source: str | None, data: DataModule) -> Inputs:
     if source is None:
         files = getattr(data.val, "files", None)  # (an image folder's: name the file)
         names = [str(f) for f in files] if files else [f"val[{i}]" for i in range(len(data.val))]
-        return Inputs(names, lambda size: iter(DataLoader(data.val, batch_size=size)))
+        return Inputs(names, lambda size: iter(DataLoader(data.val, batch_size=size)),
+                      files=bool(files))
     path = Path(source)
     if path.is_dir():
         files = _images_in(path)
@@ -271,6 +273,26 @@ def load_inputs(source: str | None, data: DataModule) -> Inputs:
                         f"from the folder the command started in)")
     raise UserError(f"predict.input={source}: expected a folder of images, an image or a .npy "
                     f"file")
+
+
+def _title(name: str, num_shown: int, preds: torch.Tensor, y: torch.Tensor | None) -> str:
+    """The picture's title: what it shows of the inputs, where it has no room for them all
+    ("best.pt: 32 of 120 inputs, the mistakes first: all 7 wrong (red), 25 of 113 right
+    (green); accuracy 94.17%")."""
+    total, partly = len(preds), num_shown < len(preds)
+    if y is None:
+        return f"{name}: the first {num_shown} of {total} inputs" if partly else \
+            f"{name}: {total} inputs"
+    wrong = int((preds != y).sum())
+    counts = []
+    for shown, among, what in [(min(wrong, num_shown), wrong, "wrong (red)"),
+                               (num_shown - min(wrong, num_shown), total - wrong, "right (green)")]:
+        if shown:
+            counts.append(f"{shown} of {among} {what}" if shown < among
+                          else f"{'all ' if partly else ''}{among} {what}")
+    return f"{name}: {f'{num_shown} of ' if partly else ''}{total} inputs" \
+        f"{', the mistakes first' if wrong else ''}: {', '.join(counts)}; accuracy " \
+        f"{(preds == y).double().mean():.2%}"
 
 
 @torch.no_grad()
@@ -314,17 +336,12 @@ def run_predict(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | 
             row += [classes[int(preds[i])], "" if y is None else classes[label]]
         writer.writerow(row)
     write_text_atomically(run_dir / "predictions.csv", table.getvalue())
-    title = f"{Path(str(cfg.ckpt)).name}: {len(names)} inputs"
-    accuracy = None
-    if y is not None:
-        accuracy = (preds == y).double().mean().item()
-        num_wrong = int((preds != y).sum())
-        title += (f", accuracy {accuracy:.2%}: {num_wrong} wrong"
-                  f"{' (red, shown first)' if num_wrong else ''}, {len(names) - num_wrong} "
-                  f"right (green)")
+    accuracy = None if y is None else (preds == y).double().mean().item()
     save_grid(data.show(x), preds[order].tolist(), None if y is None else y[order].tolist(),
-              title, run_dir / "predictions.png", classes=classes,
-              indices=None if y is None else order.tolist())
+              _title(Path(str(cfg.ckpt)).name, len(order), preds, y),
+              run_dir / "predictions.png", classes=classes,
+              indices=None if y is None else order.tolist(),
+              names=[Path(names[i]).name for i in order] if inputs.files else None)
     log.info("predicted %d inputs -> %s, %s%s", len(names), run_dir / "predictions.csv",
              run_dir / "predictions.png",
              "" if accuracy is None else f"; accuracy {accuracy:.4f}")
