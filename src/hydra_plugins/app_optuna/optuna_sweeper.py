@@ -4,12 +4,16 @@ the requested total of completed trials. New trials take job numbers after the e
 those an interruption cut off run again first, in their own run directories. A file, not
 Optuna's database: the sweeper pins optuna 2.x, whose database storage fails with SQLAlchemy 2
 (a `hydra.sweeper.storage` URL is resumed the same way). Defined only where the optional
-hydra-optuna-sweeper is installed: Hydra imports every plugin module at start-up."""
+hydra-optuna-sweeper is installed: Hydra imports every plugin module at start-up.
+Before the study, a trial's overrides are composed once: a searched key the config has not got
+(a search written for app's CNN, run on a model of your own) fails then, with Hydra's report
+and app's line after it, before any job or study file."""
 
 from __future__ import annotations
 
 import logging
 import pickle
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -93,11 +97,75 @@ def resume(impl: Any) -> Path | None:
     return path
 
 
+def compose_a_trial(impl: Any, arguments: list[str]) -> None:
+    """Compose one trial's overrides (each searched key at its first choice or lowest value)
+    as the launcher will. Else a searched key the config has not got fails job #0 once it is
+    launched, with Hydra's report alone and the study file left behind."""
+    from hydra._internal.utils import run_and_report
+    from hydra.errors import ConfigCompositionException
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    from_file = [f"{k!s}={v}" for k, v in (impl.params or {}).items()]
+    searched, fixed = create_params_from_overrides(from_file + arguments)
+    trial = [f"{name}={d.choices[0] if hasattr(d, 'choices') else d.low}"
+             for name, d in searched.items() if name not in fixed]
+    trial += [f"{name}={value}" for name, value in fixed.items()]
+    try:
+        impl.hydra_context.config_loader.load_sweep_config(impl.config, trial)
+    except ConfigCompositionException as e:
+        cause = e.__cause__
+        if not isinstance(cause, ConfigKeyError | ConfigAttributeError) or \
+                not getattr(cause, "full_key", None):
+            raise
+        line = _missing_key_line(impl, cause, trial, arguments)
+
+        def report(error: Exception = e) -> None:
+            raise error
+
+        try:
+            run_and_report(report)  # Hydra's report of it (raises it with HYDRA_FULL_ERROR=1)
+        except SystemExit:
+            print(line, file=sys.stderr)
+            sys.exit(2)  # bad input, as a config that cannot compose (app.compose_errors)
+
+
+def _missing_key_line(impl: Any, cause: Exception, trial: list[str],
+                      arguments: list[str]) -> str:
+    """`hparams_search=NAME searches KEY, which GROUP=OPTION has not got (it has ...): ...`"""
+    from omegaconf import DictConfig
+
+    full = str(cause.full_key)
+    typed = next((a for a in arguments if a.lstrip("+~").partition("=")[0] == full
+                  or a.lstrip("+~").startswith(f"{full}.")), None)
+    choices = dict(impl.config.hydra.runtime.choices)
+    search = choices.get("hparams_search")
+    where = f"`{typed}`" if typed is not None else \
+        f"hparams_search={search}" if search is not None else "hydra.sweeper.params"
+    # (a searched group, model=choice(mlp, cnn): the option the trial took)
+    choices.update(o.partition("=")[::2] for o in trial if o.partition("=")[0] in choices)
+    # The option of the innermost group the key lies in (model=mymodel), else the config.
+    parts = full.split(".")
+    owner = next((f"{'/'.join(parts[:i])}={choices['/'.join(parts[:i])]}"
+                  for i in range(len(parts) - 1, 0, -1)
+                  if isinstance(choices.get("/".join(parts[:i])), str)), "the config")
+    parent = getattr(cause, "parent_node", None)
+    has = [str(k) for k in parent.keys() if not str(k).startswith("_")] \
+        if isinstance(parent, DictConfig) else []
+    line = f"{where} searches {full}, which {owner} has not got"
+    line += f" (it has {', '.join(has)})" if has else ""
+    if typed is not None:
+        return line
+    return (f"{line}: search its keys in an hparams_search file of your own "
+            f"(docs/sweeps.md#search-your-own-model)")
+
+
 if OptunaSweeper is not None:
 
     class AppOptunaSweeper(OptunaSweeper):
         def sweep(self, arguments: list[str]) -> None:
             impl = self.sweeper
+            compose_a_trial(impl, arguments)  # before the study: nothing to keep if it fails
             path = resume(impl)
             if path is None:
                 return impl.sweep(arguments)
