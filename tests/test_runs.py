@@ -3,7 +3,10 @@ fails; in-process (`main(argv)`), the printed lines are the subject."""
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,6 +78,58 @@ def test_diff_gives_the_keys_that_differ_and_the_metrics_side_by_side(outputs, c
     assert any(line.split() == ["status", "completed", "failed"] for line in lines), lines
     assert any(line.split()[:1] == ["44"] and line.split()[3:] == ["-", "-"]
                for line in lines), lines  # B has no validation at step 44
+
+
+def _json(capsys, *argv: str) -> tuple[int, Any, str]:
+    """The exit status, the one JSON document on stdout, and stderr of `main([*argv, --json])`."""
+    code = runs.main([*argv, "--json"])
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out), captured.err
+
+
+def test_ls_json_gives_each_run_s_fields(outputs, capsys) -> None:
+    code, listed, _ = _json(capsys, "ls", str(outputs))
+    assert code == 0
+    assert [Path(r["run"]).relative_to(outputs).as_posix() for r in listed] == \
+        [f"multirun/sweep/{n}" for n in range(4)], listed
+    failed, done = listed[0], listed[1]
+    assert (failed["status"], failed["error"]) == ("failed", "RuntimeError: injected fault")
+    assert "+model.fault_call=5" in failed["overrides"]
+    assert (failed["best"], failed["steps"]) == (None, None)  # (unknown: null)
+    assert (done["status"], done["error"], done["steps"], done["attempts"]) == \
+        ("completed", None, 44, 1)
+    assert (done["mode"], done["monitor"], done["monitor_mode"]) == ("trainval", "val/acc", "max")
+    assert isinstance(done["best"], float) and 0 < done["best"] <= 1 and done["wall_s"] > 0
+    assert datetime.fromisoformat(done["started"]).tzinfo is not None
+    _, only, _ = _json(capsys, "ls", str(outputs), "--status", "failed")
+    assert only == [failed]
+    # Nothing matches: an empty list; why, on stderr (stdout holds the document alone).
+    code, none, said = _json(capsys, "ls", str(outputs), "optimzer.lr=0.003")
+    assert (code, none) == (0, []) and "optimzer.lr: no run here has this key" in said
+
+
+def test_show_and_diff_json_give_what_the_text_says(outputs, capsys) -> None:
+    sweep = outputs / "multirun" / "sweep"
+    _, listed, _ = _json(capsys, "ls", str(outputs))
+    code, shown, _ = _json(capsys, "show", str(sweep / "1"))
+    assert code == 0 and {k: shown[k] for k in listed[1]} == listed[1]  # ls's fields, and more
+    assert {"key": "model.channels", "value": [8, 16], "default": [32, 64]} in \
+        shown["differs_from_defaults"]
+    assert {"key": "model.fault", "value": "raise", "default": None} in \
+        shown["differs_from_defaults"]  # (a key the defaults lack: null)
+    assert shown["result"]["status"] == "completed" and shown["unreadable"] == {}
+    assert shown["choices"]["model"] == "cnn"
+    assert shown["command"].startswith("python -m app -m ")
+    files = {f["path"]: f["bytes"] for f in shown["files"]}
+    assert files["metrics.csv"] == (sweep / "1" / "metrics.csv").stat().st_size
+    code, diff, _ = _json(capsys, "diff", str(sweep / "3"), str(sweep / "0"))
+    assert code == 0 and (diff["a"], diff["b"]) == (listed[3], listed[0])
+    assert [d for d in diff["differences"] if d["key"].startswith("model.")] == [
+        {"key": "model.fault_call", "a": 100000, "b": 5},
+        {"key": "model.fault_rank", "a": 1, "b": 0}]
+    at_44 = next(v for v in diff["validations"] if v["step"] == 44)
+    assert 0 < at_44["a_val_acc"] <= 1 and at_44["a_val_loss"] > 0
+    assert (at_44["b_val_loss"], at_44["b_val_acc"]) == (None, None)  # B failed at step 4
 
 
 @pytest.mark.parametrize("argv, words", [

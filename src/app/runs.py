@@ -6,6 +6,8 @@
                                           result and its files
   diff RUN_A RUN_B                        the config keys that differ; both runs' metrics
 
+--json (after the command) prints one JSON document instead: docs/json.md names its fields.
+
 A run is any directory with a `.hydra/config.yaml` (a sweep's jobs too); everything is read
 from the directories, so runs of any launcher, finished or not, are listed alike.
 """
@@ -19,6 +21,7 @@ import shlex
 import sys
 import time
 from contextlib import suppress
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ from tqdm import tqdm
 
 from app.errors import first_line
 from app.flat import leaves
+from app.json_output import HELP, emit
 from app.reporting.results import RESULT, folder_arg, read_metrics
 from app.rundir.name import is_job_of_sweep
 from app.sweeps.summary import job_summary, overrides_of
@@ -44,11 +48,21 @@ def describe(run: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         hydra = OmegaConf.create()
     choices = OmegaConf.select(hydra, "hydra.runtime.choices", default=None)
+    overrides = overrides_of(run)
     return {**summary, "run": run, "config": config,
             "choices": dict(OmegaConf.to_container(choices)) if choices is not None else {},
-            "mode": OmegaConf.select(config, "trainer.mode", default="?"),
+            "monitor_mode": summary["mode"],  # ("mode" is the run's: trainval, eval ...)
+            "mode": OmegaConf.select(config, "trainer.mode", default=None),
             "started": saved.stat().st_mtime,  # (Hydra writes the config first)
-            "command": " ".join(overrides_of(run))}
+            "overrides": overrides, "command": " ".join(overrides)}
+
+
+def fields(r: dict[str, Any]) -> dict[str, Any]:
+    """A described run as --json gives it (`ls`; `show` and `diff` add to it)."""
+    started = datetime.fromtimestamp(r["started"]).astimezone().isoformat(timespec="seconds")
+    return {"run": str(r["run"]), "started": started,
+            **{k: r[k] for k in ("status", "error", "mode", "monitor", "monitor_mode", "best",
+                                 "final", "steps", "wall_s", "attempts", "overrides")}}
 
 
 def rerun_command(run: Path) -> str:
@@ -118,7 +132,7 @@ def table(rows: list[list[str]]) -> str:
                      for r in rows)
 
 
-def cmd_ls(root: Path, wanted: list[str], status: str | None) -> int:
+def cmd_ls(root: Path, wanted: list[str], status: str | None, as_json: bool = False) -> int:
     if not root.is_dir():
         print(f"error: {root}: no such folder", file=sys.stderr)
         return 2
@@ -132,22 +146,27 @@ def cmd_ls(root: Path, wanted: list[str], status: str | None) -> int:
                 print(f"warning: {folder}: skipped: {_unreadable(e)}", file=sys.stderr)
     runs = [r for r in every if matches(r, wanted) and (status is None or
                                                         r["status"].startswith(status))]
+    runs.sort(key=_order)
+    if as_json:
+        emit([fields(r) for r in runs])
+    out = sys.stderr if as_json else sys.stdout  # (--json: stdout holds the document alone)
     if not runs:
-        print(f"no runs under {root}" + (" that match" if wanted or status else ""))
+        print(f"no runs under {root}" + (" that match" if wanted or status else ""), file=out)
         # What in the filters no run has: a misspelt key reads otherwise as "no such runs".
         for key in [item.partition("=")[0] for item in wanted] if every else []:
             if all(value_of(r, key) is _MISSING for r in every):
-                print(f"  {key}: no run here has this key")
+                print(f"  {key}: no run here has this key", file=out)
         statuses = sorted({r["status"] for r in every})
         if every and status is not None and not any(s.startswith(status) for s in statuses):
-            print(f"  --status {status}: the runs here are {', '.join(statuses)}")
+            print(f"  --status {status}: the runs here are {', '.join(statuses)}", file=out)
         return 0
-    runs.sort(key=_order)
+    if as_json:
+        return 0
     rows = [["run", "status", "mode", "best", "steps", "wall_s", "started", "command"]]
     for r in runs:
         best = f"{r['monitor']} {_number(r['best'])}" if r["best"] is not None else "-"
         rows.append([str(r["run"].relative_to(root)) if r["run"] != root else ".",
-                     r["status"], str(r["mode"]), best, _number(r["steps"]),
+                     r["status"], str(r["mode"] or "?"), best, _number(r["steps"]),
                      _number(r["wall_s"], 1),
                      time.strftime("%Y-%m-%d %H:%M", time.localtime(r["started"])),
                      r["command"] or "(defaults)"])
@@ -156,11 +175,13 @@ def cmd_ls(root: Path, wanted: list[str], status: str | None) -> int:
     return 0
 
 
-def differences(a: DictConfig, b: DictConfig) -> list[tuple[str, Any, Any]]:
-    """(key, value in a, value in b) for each key whose value differs (missing: "-")."""
+def differences(a: DictConfig, b: DictConfig, missing: Any = "-"
+                ) -> list[tuple[str, Any, Any]]:
+    """(key, value in a, value in b) for each key whose value differs (`missing` where one
+    config lacks the key)."""
     la, lb = leaves(a), leaves(b)
-    return [(k, la.get(k, "-"), lb.get(k, "-")) for k in sorted(set(la) | set(lb))
-            if la.get(k, "-") != lb.get(k, "-")]
+    return [(k, la.get(k, missing), lb.get(k, missing)) for k in sorted(set(la) | set(lb))
+            if k not in la or k not in lb or la[k] != lb[k]]
 
 
 def _unreadable(e: Exception) -> str:
@@ -179,58 +200,115 @@ def _described(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def cmd_show(run: Path) -> int:
+def shown(run: Path, r: dict[str, Any]) -> dict[str, Any]:
+    """What `show` says of a described run (the text and --json alike)."""
     from hydra import compose, initialize_config_dir
 
     from app.conf_dir import config_dir
     from app.config import register_schemas
 
-    r = _described(run)
-    if r is None:
-        return 2
-    print(f"run {run}")
-    print(f"status: {r['status']}" + (f" ({r['error']})" if r["error"] else ""))
-    print(f"mode: {r['mode']}; best {r['monitor']}: {_number(r['best'])}; steps: "
-          f"{_number(r['steps'])}; wall_s: {_number(r['wall_s'], 1)}")
-    print(f"overrides: {r['command'] or '(none)'}")
-    print(f"command: {rerun_command(run)}")
     register_schemas()  # (no resolver: the config is compared unresolved)
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         defaults = compose("config")  # as `python -m app` composes it (its hydra node left out)
-    changed = differences(defaults, r["config"])
-    print("differs from the defaults:" + ("" if changed else " nothing"))
-    for key, default, value in changed:
-        print(f"  {key}: {value} (default: {default})")
+    records, unreadable = {}, {}  # eval.json and result.json: read, or why not
     for name in ("eval.json", RESULT):
         if (run / name).is_file():
             try:
-                print(f"{name}: {json.dumps(json.loads((run / name).read_bytes()))}")
+                records[name] = json.loads((run / name).read_bytes())
             except ValueError as e:
-                print(f"{name}: not valid JSON ({e})")
+                unreadable[name] = f"not valid JSON ({e})"
+    files = sorted(p for p in run.rglob("*") if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(run).parts))
+    return {**fields(r), "command": rerun_command(run), "choices": r["choices"],
+            "differs_from_defaults": [
+                {"key": key, "value": value, "default": default}
+                for key, default, value in differences(defaults, r["config"], _MISSING)],
+            "eval": records.get("eval.json"), "result": records.get(RESULT),
+            "unreadable": unreadable,
+            "files": [{"path": str(p.relative_to(run)), "bytes": p.stat().st_size}
+                      for p in files]}
+
+
+def _given(value: Any) -> Any:
+    return "-" if value is _MISSING else value
+
+
+def _nulls(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A key one config lacks as JSON's null (the text's "-")."""
+    return [{k: None if v is _MISSING else v for k, v in row.items()} for row in rows]
+
+
+def cmd_show(run: Path, as_json: bool = False) -> int:
+    r = _described(run)
+    if r is None:
+        return 2
+    s = shown(run, r)
+    if as_json:
+        emit({**s, "differs_from_defaults": _nulls(s["differs_from_defaults"])})
+        return 0
+    print(f"run {run}")
+    print(f"status: {r['status']}" + (f" ({r['error']})" if r["error"] else ""))
+    print(f"mode: {r['mode'] or '?'}; best {r['monitor']}: {_number(r['best'])}; steps: "
+          f"{_number(r['steps'])}; wall_s: {_number(r['wall_s'], 1)}")
+    print(f"overrides: {r['command'] or '(none)'}")
+    print(f"command: {s['command']}")
+    changed = s["differs_from_defaults"]
+    print("differs from the defaults:" + ("" if changed else " nothing"))
+    for d in changed:
+        print(f"  {d['key']}: {_given(d['value'])} (default: {_given(d['default'])})")
+    for name, key in (("eval.json", "eval"), (RESULT, "result")):
+        if name in s["unreadable"]:
+            print(f"{name}: {s['unreadable'][name]}")
+        elif s[key] is not None:
+            print(f"{name}: {json.dumps(s[key])}")
     print("files:")
-    for path in sorted(p for p in run.rglob("*") if p.is_file() and not any(
-            part.startswith(".") for part in p.relative_to(run).parts)):
-        print(f"  {path.relative_to(run)}  {tqdm.format_sizeof(path.stat().st_size, 'B')}")
+    for f in s["files"]:
+        print(f"  {f['path']}  {tqdm.format_sizeof(f['bytes'], 'B')}")
     return 0
 
 
-def cmd_diff(a: Path, b: Path) -> int:
-    ra, rb = _described(a), _described(b)
-    if ra is None or rb is None:
-        return 2
-    print(f"A: {a}\nB: {b}")
-    changed = differences(ra["config"], rb["config"])
-    rows = [["key", "A", "B"]] + [[k, str(va), str(vb)] for k, va, vb in changed]
-    print(table(rows) if changed else "the configs are the same")
-    digits = {"status": 0, "best": 4, "steps": 0, "wall_s": 1}
-    print("\n" + table([["", "A", "B"]] + [[k, _number(ra[k], d), _number(rb[k], d)]
-                                           for k, d in digits.items()]))
+def _float(cell: str | None) -> float | None:
+    """A cell of metrics.csv as a number (None: empty, or no such column)."""
+    try:
+        return float(cell)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def compared(a: Path, b: Path, ra: dict[str, Any], rb: dict[str, Any]) -> dict[str, Any]:
+    """What `diff` says of two described runs (the text and --json alike)."""
     # Each validation of either run, by step: loss and accuracy of A and of B.
     va, vb = ({int(r["step"]): r for r in read_metrics(run) if r["split"] == "val"}
               for run in (a, b))
+    return {"a": fields(ra), "b": fields(rb),
+            "differences": [{"key": k, "a": x, "b": y}
+                            for k, x, y in differences(ra["config"], rb["config"], _MISSING)],
+            "validations": [
+                {"step": step, **{f"{side}_val_{k}": _float(rows.get(step, {}).get(k))
+                                  for side, rows in (("a", va), ("b", vb))
+                                  for k in ("loss", "acc")}}
+                for step in sorted(set(va) | set(vb))]}
+
+
+def cmd_diff(a: Path, b: Path, as_json: bool = False) -> int:
+    ra, rb = _described(a), _described(b)
+    if ra is None or rb is None:
+        return 2
+    c = compared(a, b, ra, rb)
+    if as_json:
+        emit({**c, "differences": _nulls(c["differences"])})
+        return 0
+    print(f"A: {a}\nB: {b}")
+    changed = c["differences"]
+    rows = [["key", "A", "B"]] + [[d["key"], str(_given(d["a"])), str(_given(d["b"]))]
+                                  for d in changed]
+    print(table(rows) if changed else "the configs are the same")
+    digits = {"status": 0, "best": 4, "steps": 0, "wall_s": 1}
+    print("\n" + table([["", "A", "B"]] + [[k, _number(c["a"][k], d), _number(c["b"][k], d)]
+                                           for k, d in digits.items()]))
     print("\n" + table([["step", "A val loss", "A val acc", "B val loss", "B val acc"]] + [
-        [str(step)] + [_number(rows.get(step, {}).get(k)) for rows in (va, vb)
-                       for k in ("loss", "acc")] for step in sorted(set(va) | set(vb))]))
+        [str(v["step"])] + [_number(v[f"{side}_val_{k}"]) for side in ("a", "b")
+                            for k in ("loss", "acc")] for v in c["validations"]]))
     return 0
 
 
@@ -241,10 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     ls = commands.add_parser("ls", help="the runs under a folder")
     ls.add_argument("filters", nargs="*", help="DIR first (default outputs), then KEY=VALUE")
     ls.add_argument("--status", help="completed, failed, interrupted, running ...")
-    commands.add_parser("show", help="one run").add_argument("run", type=folder_arg)
+    show = commands.add_parser("show", help="one run")
+    show.add_argument("run", type=folder_arg)
     diff = commands.add_parser("diff", help="two runs")
     diff.add_argument("run_a", type=folder_arg)
     diff.add_argument("run_b", type=folder_arg)
+    for command in (ls, show, diff):
+        command.add_argument("--json", action="store_true", help=HELP)
     args = parser.parse_args(argv)
     if args.command == "ls":
         root, wanted = Path("outputs"), list(args.filters)
@@ -253,10 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         bad = [w for w in wanted if "=" not in w]
         if bad:
             parser.error(f"{bad[0]}: a filter is KEY=VALUE (optimizer.lr=0.1)")
-        return cmd_ls(root, wanted, args.status)
+        return cmd_ls(root, wanted, args.status, args.json)
     if args.command == "show":
-        return cmd_show(args.run)
-    return cmd_diff(args.run_a, args.run_b)
+        return cmd_show(args.run, args.json)
+    return cmd_diff(args.run_a, args.run_b, args.json)
 
 
 if __name__ == "__main__":
