@@ -199,3 +199,55 @@ def test_status_lists_the_jobs_of_a_sweep_by_number(tmp_path, capsys) -> None:
     assert status.main([str(sweep)]) == 0
     jobs = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()[:3]]
     assert jobs == ["job #0", "job #1", "job #2"]
+
+
+def test_status_json_gives_each_job_s_fields_and_the_exit_status(tmp_path, capsys) -> None:
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    for num, result, steps in ((0, {"status": "completed", "wall_s": 1.0}, 3),
+                               (1, {"status": "failed", "error": "RuntimeError: boom"}, 2)):
+        job = _run_dir(tmp_path / f"made{num}", result, steps=steps)
+        (job / ".hydra" / "overrides.yaml").write_text(f"- seed={num}\n- optimizer.lr=0.1\n")
+        job.rename(sweep / str(num))
+    assert status.main([str(sweep), "--json"]) == 1  # (as the text: a job failed)
+    said = json.loads(capsys.readouterr().out)
+    assert (said["path"], said["kind"], said["counts"]) == (str(sweep), "sweep",
+                                                             {"completed": 1, "failed": 1})
+    done, failed = said["jobs"]
+    assert done == {"job": 0, "slurm_job_id": None, "status": "completed",
+                    "detail": "completed: best val/acc 0.3, step 3", "step": 3,
+                    "total_steps": 40, "overrides": ["seed=0", "optimizer.lr=0.1"],
+                    "run_dir": str(sweep / "0")}
+    assert (failed["status"], failed["detail"]) == ("failed",
+                                                    "failed at step 2 of 40: RuntimeError: boom")
+    # The text is printed from the same fields.
+    assert status.main([str(sweep)]) == 1
+    assert capsys.readouterr().out.splitlines()[:2] == [status.line(done), status.line(failed)]
+
+
+def test_status_json_of_one_run_directory(tmp_path, capsys) -> None:
+    run_dir = _run_dir(tmp_path, None, steps=5)
+    assert status.main([str(run_dir), "--json"]) == 1  # (ended without a result)
+    said = json.loads(capsys.readouterr().out)
+    assert said["kind"] == "run" and said["counts"] == {"ended": 1}
+    assert said["jobs"] == [{"job": None, "slurm_job_id": None, "status": "ended",
+                             "detail": "ended without a result at step 5 of 40 (killed?)",
+                             "step": 5, "total_steps": 40, "overrides": [],
+                             "run_dir": str(run_dir)}]
+
+
+def test_status_json_of_a_submitted_sweep_names_each_slurm_job(tmp_path, capsys,
+                                                                monkeypatch) -> None:
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "submission.json").write_text(json.dumps({"launcher": "slurm", "jobs": [
+        {"num": 0, "job_id": "12_0", "overrides": ["seed=0", "hydra.job.name=x"],
+         "run_dir": str(sweep / "0")}]}))
+    monkeypatch.setattr(slurm, "states", lambda ids: {
+        "12_0": slurm.Job("12_0", "PENDING", "Resources")})
+    assert status.main([str(sweep), "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert said["counts"] == {"queued": 1} and said["jobs"] == [
+        {"job": 0, "slurm_job_id": "12_0", "status": "queued",
+         "detail": "queued (PENDING: Resources)", "step": None, "total_steps": None,
+         "overrides": ["seed=0"], "run_dir": str(sweep / "0")}]

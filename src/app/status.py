@@ -6,7 +6,8 @@ States come from Slurm (`app.slurm`: the controller lists a job until MinJobAge 
 end, sacct where there is accounting) for the jobs a submission recorded
 (`submission.json`), and from the run directories otherwise (result.json, metrics.csv, the
 run's lock, train.log). Exits 1 while any job has failed (or ended without completing), 0
-otherwise, 2 for a path that is neither.
+otherwise, 2 for a path that is neither. --json prints one JSON document instead
+(docs/json.md names its fields).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from app import slurm
+from app.json_output import HELP, emit
 from app.reporting.results import folder_arg
 from app.rundir.lock import LOCK_NAME
-from app.sweeps.summary import collect, job_summary
+from app.sweeps.summary import collect, job_summary, overrides_of
 
 PROGRESS = re.compile(r"\] - step (\d+)/(\d+) ")  # the loop's log line: "step N/M epoch E: ..."
 TAIL_BYTES = 1 << 16  # of train.log, where the last progress line is
@@ -44,14 +46,17 @@ def progress(run_dir: Path) -> tuple[int, int] | None:
     return (int(found[-1][0]), int(found[-1][1])) if found else None
 
 
-def _where(run_dir: Path) -> str:
-    """At the step the run reached: its last progress line's, or its last checkpoint's when
-    later (a stop saves one between logging steps: cancelled at 47, not at the 40 logged)."""
+def reached(run_dir: Path) -> tuple[int, int] | None:
+    """The step the run reached, and its total steps: its last progress line's, or its last
+    checkpoint's when later (a stop saves one between logging steps: cancelled at 47, not at
+    the 40 logged)."""
     done = progress(run_dir)
-    if done is None:
-        return ""
-    step = max(done[0], checkpoint_step(run_dir) or 0)
-    return f" at step {step} of {done[1]}"
+    return None if done is None else (max(done[0], checkpoint_step(run_dir) or 0), done[1])
+
+
+def _where(run_dir: Path) -> str:
+    at = reached(run_dir)
+    return "" if at is None else f" at step {at[0]} of {at[1]}"
 
 
 def checkpoint_step(run_dir: Path) -> int | None:
@@ -159,8 +164,25 @@ def failure_of(record: dict[str, Any], sweep_dir: Path, job: dict[str, Any], sta
     return f"failed{'' if task is None else f' in task {task}'}: {what}"
 
 
-def sweep_lines(sweep_dir: Path) -> list[tuple[str, str]]:
-    """(status, line) per job of a sweep directory."""
+def _job(job: int | str | None, slurm_job_id: str | None, status: str, detail: str,
+         overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    """One job as the text and --json give it."""
+    at = reached(run_dir)
+    return {"job": int(job) if isinstance(job, str) and job.isdigit() else job,
+            "slurm_job_id": slurm_job_id, "status": status, "detail": detail,
+            "step": None if at is None else at[0], "total_steps": None if at is None else at[1],
+            "overrides": overrides, "run_dir": str(run_dir)}
+
+
+def line(job: dict[str, Any]) -> str:
+    if job["job"] is None:
+        return f"run {job['run_dir']}: {job['detail']}"
+    slurm_job = "" if job["slurm_job_id"] is None else f" (slurm job {job['slurm_job_id']})"
+    return f"job #{job['job']}{slurm_job}: {job['detail']} [{' '.join(job['overrides'])}]"
+
+
+def sweep_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Each job of a sweep directory (`_job`), by number."""
     from app.errors import RecordUnreadable
     from app.sweeps.record import jobs_by_num, read
 
@@ -171,10 +193,10 @@ def sweep_lines(sweep_dir: Path) -> list[tuple[str, str]]:
         record = {}
     recorded = jobs_by_num(record)
     if not recorded:  # a sweep that was waited for, or run locally: its run directories
-        return [(s, f"job #{job['job']}: {said} [{job['overrides']}]")
-                for job in collect(sweep_dir) for s, said in [from_run_dir(Path(job["run_dir"]))]]
+        return [_job(job["job"], None, *from_run_dir(Path(job["run_dir"])),
+                     job["overrides_list"], Path(job["run_dir"])) for job in collect(sweep_dir)]
     known = slurm.states([job["job_id"] for job in recorded.values()]) or {}
-    lines = []
+    jobs = []
     for num, job in sorted(recorded.items()):
         run_dir = Path(job["run_dir"])
         listed = known.get(job["job_id"])
@@ -185,29 +207,34 @@ def sweep_lines(sweep_dir: Path) -> list[tuple[str, str]]:
         else:
             failure = failure_of(record, sweep_dir, job, listed.state)
             status, said = from_slurm(listed, run_dir, failure)
-        params = " ".join(o for o in job.get("overrides", []) if not o.startswith("hydra."))
-        lines.append((status, f"job #{num} (slurm job {job['job_id']}): {said} [{params}]"))
-    return lines
+        params = [o for o in job.get("overrides", []) if not o.startswith("hydra.")]
+        jobs.append(_job(num, job["job_id"], status, said, params, run_dir))
+    return jobs
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.status", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", type=folder_arg, help="a sweep directory or a run directory")
-    path = parser.parse_args(argv).path
+    parser.add_argument("--json", action="store_true", help=HELP)
+    args = parser.parse_args(argv)
+    path = args.path
     if (path / "submission.json").is_file() or any(path.glob("*/.hydra/overrides.yaml")):
-        lines = sweep_lines(path)
+        kind, jobs = "sweep", sweep_jobs(path)
     elif (path / ".hydra").is_dir() or (path / "metrics.csv").is_file():
-        status, said = from_run_dir(path)
-        lines = [(status, f"run {path}: {said}")]
+        kind, jobs = "run", [_job(None, None, *from_run_dir(path), overrides_of(path), path)]
     else:
         print(f"error: {path} is neither a sweep directory (submission.json or job folders "
               f"with .hydra/) nor a run directory (.hydra/, metrics.csv)", file=sys.stderr)
         return 2
-    for _, line in lines:
-        print(line)
-    counts = Counter(status for status, _ in lines)
-    print(f"{len(lines)} job(s): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    counts = Counter(job["status"] for job in jobs)
+    if args.json:
+        emit({"path": str(path), "kind": kind, "jobs": jobs, "counts": dict(sorted(
+            counts.items()))})
+    else:
+        for job in jobs:
+            print(line(job))
+        print(f"{len(jobs)} job(s): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     return 1 if any(s in ENDED_BADLY for s in counts) else 0
 
 
