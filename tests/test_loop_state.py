@@ -14,6 +14,7 @@ from app.training.state import (
     LoopState,
     finished,
     improved,
+    last_step,
     should_checkpoint,
     should_log,
     should_validate,
@@ -36,8 +37,10 @@ def _after(steps: int, steps_per_epoch: int) -> LoopState:
 
 def test_state_dict_round_trip() -> None:
     state = LoopState(step=12, epoch=3, batch_in_epoch=2, best=0.5, stopped_early="patience")
+    state.global_batch, state.steps_per_epoch = 64, 22
     saved = state.state_dict()
-    assert saved == {"step": 12, "epoch": 3, "batch": 2, "stopped_early": "patience", "best": 0.5}
+    assert saved == {"step": 12, "epoch": 3, "batch": 2, "stopped_early": "patience",
+                     "best": 0.5, "global_batch": 64, "steps_per_epoch": 22}
     restored = LoopState()
     restored.load_state_dict(saved)
     assert restored == state
@@ -57,6 +60,50 @@ def test_finished_by_steps_epochs_or_a_stop() -> None:
     assert finished(_after(6, 3), _trainer(max_epochs=2))
     assert not finished(_after(5, 3), _trainer(max_epochs=2))
     assert finished(LoopState(stopped_early="early stopping"), _trainer(max_steps=100))
+
+
+def _saved(step: int, epoch: int, batch: int, global_batch: int | None,
+           steps_per_epoch: int | None) -> LoopState:
+    """A loop state as a checkpoint restores it."""
+    state = LoopState()
+    state.load_state_dict({"step": step, "epoch": epoch, "batch": batch, "best": None,
+                           "global_batch": global_batch, "steps_per_epoch": steps_per_epoch})
+    return state
+
+
+def test_a_resume_in_steps_of_another_size_counts_on_from_the_samples_trained_on() -> None:
+    # 2 ranks x 64 -> 1 x 64: step 5 of 11 (640 samples into the epoch) is step 10 of 22.
+    state = _saved(5, 0, 5, global_batch=128, steps_per_epoch=11)
+    assert state.rebatch(64, 22) == _saved(5, 0, 5, 128, 11)
+    assert (state.step, state.epoch, state.batch_in_epoch) == (5, 0, 10)
+    assert (state.global_batch, state.steps_per_epoch) == (64, 22)
+    assert last_step(state, _trainer(max_epochs=2), 22) == 5 + 12 + 22  # (not 44)
+    # 1 x 64 -> 2 x 64: step 15 of 22 (960 samples) is step 7 of 11 (896: 64 seen twice).
+    # Kept at 15, it was past the 11 steps of an epoch, which then never ended.
+    state = _saved(15, 0, 15, global_batch=64, steps_per_epoch=22)
+    assert state.rebatch(128, 11) is not None
+    assert (state.step, state.epoch, state.batch_in_epoch) == (15, 0, 7)
+    # Less than a step of this run's left of the epoch: the next one starts.
+    state = _saved(9, 0, 9, global_batch=10, steps_per_epoch=10)
+    state.rebatch(45, 2)
+    assert (state.step, state.epoch, state.batch_in_epoch) == (9, 1, 0)
+
+
+def test_a_resume_in_steps_of_the_same_size_changes_nothing() -> None:
+    state = _saved(5, 1, 5, global_batch=128, steps_per_epoch=11)
+    assert state.rebatch(128, 11) is None
+    assert state == _saved(5, 1, 5, 128, 11)
+    old = _saved(5, 1, 5, None, None)  # a checkpoint from before the sizes were saved
+    assert old.rebatch(128, 11) is None
+    assert (old.step, old.epoch, old.batch_in_epoch, old.global_batch) == (5, 1, 5, 128)
+
+
+def test_last_step_counts_from_where_the_run_is() -> None:
+    assert last_step(LoopState(), _trainer(max_epochs=3), 10) == 30
+    assert last_step(LoopState(), _trainer(max_epochs=3, max_steps=25), 10) == 25
+    assert last_step(LoopState(), _trainer(max_steps=25), 10) == 25
+    assert last_step(_after(7, 4), _trainer(max_epochs=3), 10) == 7 + 10 + 7
+    assert last_step(_after(9, 3), _trainer(max_epochs=2), 3) == 9  # (lowered: done)
 
 
 def test_log_every_n_steps_and_at_the_end() -> None:

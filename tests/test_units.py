@@ -17,7 +17,7 @@ from app.checkpoint import io, layout, restore
 from app.checkpoint.rng import rng_state, set_rng_state
 from app.errors import AppError, UserError
 from app.reporting.loggers import CSVLogger
-from app.schedulers import constant, step, warmup_cosine
+from app.schedulers import constant, respread, step, warmup_cosine
 from app.training.build import ResumableSampler, shard_indices
 from app.training.data_errors import DataItemError, NamedItems
 from conftest import make_config
@@ -122,6 +122,48 @@ def test_schedule_state_round_trip() -> None:
     b = warmup_cosine(_opt(), total_steps=20, warmup_steps=3)
     b.load_state_dict(a.state_dict())
     assert _lrs(a, 5) == _lrs(b, 5)
+
+
+def test_a_respread_cosine_goes_on_from_where_it_is_and_ends_at_the_new_last_step() -> None:
+    """A resume on half the ranks at step 10 of 20: 20 steps were left where 10 were."""
+    saved = warmup_cosine(_opt(), total_steps=20, warmup_steps=4)
+    _lrs(saved, 10)
+    resumed = warmup_cosine(_opt(), total_steps=40, warmup_steps=4)  # as the loop builds it
+    resumed.load_state_dict(saved.state_dict())
+    respread(resumed, step=10, made_for=20, total_steps=30)
+    assert resumed.lr_lambdas[0](10) == saved.get_last_lr()[0]  # no jump
+    after = _lrs(resumed, 21)  # the lr of steps 11 to 31
+    assert all(a > b for a, b in zip(after, after[1:], strict=False))  # decays to the end
+    assert after[19] > 0 and after[20] == pytest.approx(0.0)  # (0 after the last step)
+    again = warmup_cosine(_opt(), total_steps=40, warmup_steps=4)  # a later resume keeps it
+    again.load_state_dict(resumed.state_dict())
+    assert _lrs(again, 1) == [after[20]]
+
+
+def test_respread_leaves_a_schedule_of_another_length_and_a_warm_up_goes_on() -> None:
+    # Saved for 20 steps while the run's end was counted 25 (max_epochs raised): as saved.
+    saved = warmup_cosine(_opt(), total_steps=20, warmup_steps=4)
+    _lrs(saved, 10)
+    respread(saved, step=10, made_for=25, total_steps=30)
+    assert saved.lr_lambdas[0].total_steps == 20
+    # In the warm-up: it ends as it would have, the decay then spans the new length.
+    warming = warmup_cosine(_opt(), total_steps=20, warmup_steps=4)
+    head = _lrs(warming, 2)
+    respread(warming, step=2, made_for=20, total_steps=10)
+    lrs = _lrs(warming, 9)
+    assert head + lrs[:2] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[-1] == pytest.approx(0.0)
+
+
+def test_a_warm_up_longer_than_the_run_is_named_with_its_fix(caplog) -> None:
+    warmup_cosine(_opt(0.003), total_steps=15, warmup_steps=20)
+    assert [r.getMessage() for r in caplog.records] == [
+        "scheduler.warmup_steps=20 is longer than the run's 15 steps: the learning rate "
+        "climbs to 0.00225, never to its peak 0.003 (optimizer.lr); set "
+        "scheduler.warmup_steps=2, say"]
+    caplog.clear()
+    warmup_cosine(_opt(0.003), total_steps=20, warmup_steps=20)  # (its last step reaches it)
+    assert not caplog.records
 
 
 def test_csv_logger_widens_and_truncates_on_resume(tmp_path) -> None:

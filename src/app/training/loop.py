@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from app.errors import UserError
 from app.reporting.curves import draw_curves
 from app.reporting.loggers import MetricLogger
 from app.rundir.name import resume_hint
+from app.schedulers import respread
 from app.training.build import (
     ResumableSampler,
     build_data,
@@ -41,6 +41,7 @@ from app.training.state import (
     LoopState,
     finished,
     improved,
+    last_step,
     should_checkpoint,
     should_log,
     should_validate,
@@ -74,7 +75,9 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         raise UserError(
             f"data.batch_size={data.batch_size} x trainer.accumulate_grad_batches={accumulate} "
             f"is larger than the {len(sampler)} training samples of a process: lower them")
-    total_steps = int(min(t.max_steps or math.inf, (t.max_epochs or math.inf) * steps_per_epoch))
+    # Shared by the loop, the callbacks' `run` and the checkpoints.
+    state = LoopState(global_batch=global_batch, steps_per_epoch=steps_per_epoch)
+    total_steps = last_step(state, t, steps_per_epoch)
     scheduler = build_scheduler(cfg, optimizer, total_steps=total_steps)
     train_step = TrainStep(model, train_model, optimizer, scheduler, device, cfg.precision,
                            t.grad_clip_norm, ema, skip_nonfinite=t.skip_nonfinite,
@@ -82,7 +85,6 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     losses = FiniteLosses()
     eval_model = ema.module if ema is not None else model  # EMA weights validate when enabled
     callbacks = Callbacks.build(cfg)
-    state = LoopState()  # shared by the loop, the callbacks' `run` and the checkpoints
     run = Run(cfg, run_dir, device, model, eval_model, optimizer, data,
               global_batch=global_batch, total_steps=total_steps, state=state)
     progress.follow(run)  # the stall watchdog names run.step
@@ -95,15 +97,27 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                                     changed_only_by_step=train_step.changed_only_by_step)
     train_step.before_update = checkpoints.hold_until_copied  # (the background copy first)
     checkpoints.restore()  # resume=, or the weights of ckpt=, or nothing
+    # A resume counts the steps left from where the run is: on another number of ranks (or
+    # batch size, or accumulation) an epoch has another number of steps, and the schedule,
+    # made for the saved run's, is spread over this run's.
+    saved = state.rebatch(global_batch, steps_per_epoch)
+    total_steps = run.total_steps = last_step(state, t, steps_per_epoch)
+    if saved is not None:
+        respread(scheduler, state.step, last_step(saved, t, saved.steps_per_epoch), total_steps)
     report = _Report(cfg, run_dir, run, callbacks, resumed=checkpoints.resumed_from is not None,
                      trackers=checkpoints.trackers)
     if checkpoints.resumed_from is not None and finished(state, t):  # a re-run sweep job
         log.info("already finished at step %d%s: nothing to train", state.step,
                  f" ({state.stopped_early})" if state.stopped_early else "")
     else:
-        log.info("training %s on %s x %d: %d steps/epoch, %d steps, %d train / %d val samples",
+        # What the epoch's whole steps leave: each rank's partial batch (drop_last) or group of
+        # micro-batches; others each epoch, as the order is shuffled.
+        left_out = len(data.train) - steps_per_epoch * global_batch
+        log.info("training %s on %s x %d: %d steps/epoch, %d steps, %d train / %d val samples%s",
                  cfg.model["_target_"], device.type, world_size, steps_per_epoch, total_steps,
-                 len(data.train), len(data.val))
+                 len(data.train), len(data.val),
+                 f", {left_out} train samples left out each epoch (a partial batch; drop_last)"
+                 if left_out > 0 else "")
     model.train()
     with report, StopRequest() as stop, callbacks.running(run):
         while not finished(state, t):
