@@ -78,7 +78,8 @@ def test_a_save_writes_the_layout_with_its_format_version(tmp_path) -> None:
     state, _ = _saved(tmp_path)
     assert sorted(state) == sorted(LAYOUT)
     assert state["format"] == FORMAT_VERSION
-    assert state["loop"] == {"step": 7, "epoch": 2, "batch": 1, "stopped_early": None}
+    assert state["loop"] == {"step": 7, "epoch": 2, "batch": 1, "stopped_early": None,
+                             "global_batch": None, "steps_per_epoch": None}
     assert (state["best"], state["is_best"]) == (0.25, True)
     assert (tmp_path / "checkpoints" / "best.pt").is_file()
     assert (tmp_path / "checkpoints" / "step-00000007.pt").is_file()

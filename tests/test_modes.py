@@ -31,7 +31,8 @@ def test_trainval_writes_the_run_files(trained) -> None:
     assert [int(r["step"]) for r in train_rows] == list(range(1, 89))  # 22 steps x 4 epochs
     assert [int(r["epoch"]) for r in val_rows] == [1, 2, 3, 4]
     last = load_state(ckpts / "last.pt")
-    assert last["loop"] == {"step": 88, "epoch": 4, "batch": 0, "stopped_early": None}
+    assert last["loop"] == {"step": 88, "epoch": 4, "batch": 0, "stopped_early": None,
+                            "global_batch": 64, "steps_per_epoch": 22}
     assert set(last) >= {"model", "optimizer", "scheduler", "rng", "best", "config"}
     assert last["config"]["model"]["channels"] == [8, 16]
     best = load_state(ckpts / "best.pt")

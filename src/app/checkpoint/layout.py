@@ -8,7 +8,8 @@ One file holds a plain dict:
     optimizer     its state dict, numbered as `Optimizer.state_dict()` numbers it
     scheduler     its state dict
     train_step    {scaler, ema: {module, updates} or None, skipped}
-    loop          {step, epoch, batch (in the epoch), stopped_early}
+    loop          {step, epoch, batch (in the epoch), stopped_early, global_batch,
+                  steps_per_epoch (the size of its steps)}
     callbacks     {name: state dict} of the callbacks that keep state
     data          what the data learnt from the training set (an image folder's classes and
                   normalisation; {} for most; a file without it: {})
