@@ -44,8 +44,9 @@ def test_the_trace_holds_the_window_and_the_log_its_top_operators(tmp_path, monk
     table = result.output.partition("profiler: top 10 operators of steps 6-9 on rank 0:\n")[2]
     lines = table.splitlines()
     assert lines[0].split() == ["operator", "calls", "self", "CPU", "ms", "%"]
-    assert lines[1].startswith("aten::") and len(lines) >= 11
-    assert not any(line.startswith("ProfilerStep") for line in lines[:11])
+    rows = lines[1:11]  # (an annotation such as Optimizer.step#AdamW.step may lead)
+    assert any(row.startswith("aten::") for row in rows)
+    assert all(len(row.split()) == 4 and not row.startswith("ProfilerStep") for row in rows)
     assert len(list((result.run_dir / "profile").iterdir())) == 1
 
 
