@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -31,12 +32,33 @@ from tqdm import tqdm
 
 from app.errors import first_line
 from app.flat import leaves
-from app.json_output import HELP, emit
 from app.reporting.results import RESULT, folder_arg, read_metrics
 from app.rundir.name import is_job_of_sweep
 from app.sweeps.summary import job_summary, overrides_of
 
 SKIP = {".code", ".submitit", "checkpoints", "logs", "plots", ".hydra", "export"}
+
+
+# --json, of this command and of app.status, app.report and the dry run: one JSON document on
+# stdout, its fields documented in docs/json.md.
+JSON_HELP = "print one JSON document (its fields: docs/json.md) instead of the text"
+
+
+def plain(value: Any) -> Any:
+    """VALUE as JSON has it: paths as strings, a number that is not one (NaN, inf) as null."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)  # (a Path; a config value of another type, as the text shows it)
+
+
+def emit(document: Any) -> None:
+    print(json.dumps(plain(document), indent=2), flush=True)
 
 
 def describe(run: Path) -> dict[str, Any]:
@@ -325,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     diff.add_argument("run_a", type=folder_arg)
     diff.add_argument("run_b", type=folder_arg)
     for command in (ls, show, diff):
-        command.add_argument("--json", action="store_true", help=HELP)
+        command.add_argument("--json", action="store_true", help=JSON_HELP)
     args = parser.parse_args(argv)
     if args.command == "ls":
         root, wanted = Path("outputs"), list(args.filters)

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from app import slurm
-from app.json_output import HELP, emit
 from app.reporting.results import folder_arg
 from app.rundir.lock import LOCK_NAME
+from app.runs import JSON_HELP, emit
 from app.sweeps.summary import collect, job_summary, overrides_of
 
 PROGRESS = re.compile(r"\] - step (\d+)/(\d+) ")  # the loop's log line: "step N/M epoch E: ..."
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.status", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", type=folder_arg, help="a sweep directory or a run directory")
-    parser.add_argument("--json", action="store_true", help=HELP)
+    parser.add_argument("--json", action="store_true", help=JSON_HELP)
     args = parser.parse_args(argv)
     path = args.path
     if (path / "submission.json").is_file() or any(path.glob("*/.hydra/overrides.yaml")):

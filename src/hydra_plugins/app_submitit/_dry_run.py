@@ -1,6 +1,7 @@
 """`hydra.launcher.dry_run=true`: each array's sbatch script, the arithmetic and every request
-the cluster cannot grant; nothing is submitted. A real submission is refused where no node
-could ever run the job: sbatch accepts it, and it pends forever."""
+the cluster cannot grant; nothing is submitted (`dry_run=json`: the same as one JSON document,
+docs/json.md). A real submission is refused where no node could ever run the job: sbatch
+accepts it, and it pends forever."""
 
 from __future__ import annotations
 
@@ -156,10 +157,11 @@ def after(executor: Any, params: dict[str, Any], previous: str | None) -> None:
         **extra, **({"dependency": f"afterany:{previous}"} if previous else {})})
 
 
-def report(executor: Any, params: dict[str, Any], max_num_failures: int,
-           overrides: dict[int, list[str]], run_dirs: dict[int, Path], on_slurm: bool,
-           batch: int | None = None) -> int:
-    """Print it all; the exit status (2: a problem). `batch`: the sweeper's max_batch_size."""
+def plan(executor: Any, params: dict[str, Any], max_num_failures: int,
+         overrides: dict[int, list[str]], run_dirs: dict[int, Path], on_slurm: bool,
+         batch: int | None = None) -> dict[str, Any]:
+    """What the dry run says (the text and hydra.launcher.dry_run=json alike): docs/json.md.
+    `batch`: the sweeper's max_batch_size."""
     from hydra.core.utils import filter_overrides
 
     from app._private import sbatch_script
@@ -167,37 +169,69 @@ def report(executor: Any, params: dict[str, Any], max_num_failures: int,
 
     nums = sorted(overrides)
     parts, chain, limit = arrays(nums, params, on_slurm)
+    scripts = []
     for i, part in enumerate(parts):
         if chain and i > 0:  # (the job id is Slurm's answer to the submission before)
             after(executor, params, f"JOB_ID_OF_JOBS_{parts[i - 1][0]}-{parts[i - 1][-1]}")
-        print(f"# sbatch script of jobs #{part[0]}-#{part[-1]} ({len(part)} job(s))"
-              if len(part) > 1 else f"# sbatch script of job #{part[0]}")
-        print(sbatch_script(executor, len(part)))
-    for num in nums:
-        print(f"job #{num}: {' '.join(filter_overrides(overrides[num])) or '(no overrides)'}"
-              f" -> {run_dirs[num]}")
+        scripts.append({"jobs": part, "sbatch_script": sbatch_script(executor, len(part))})
     nodes, tasks, per_task = params["nodes"], params["tasks_per_node"], params.get(
         "cpus_per_task") or 1
-    mem = params.get("mem_gb")  # (Slurm reads --mem=0 as all of a node's memory)
+    problems_found = invalid(params, max_num_failures) + (problems(params) if on_slurm else [])
+    return {
+        "arrays": scripts,
+        "jobs": [{"job": num, "overrides": filter_overrides(overrides[num]),
+                  "run_dir": str(run_dirs[num])} for num in nums],
+        "nodes": nodes, "tasks_per_node": tasks, "ranks": nodes * tasks,
+        "gpus_per_node": params.get("gpus_per_node") or 0, "cpus_per_task": per_task,
+        "cpus_per_node": per_task * tasks, "mem_gb": params.get("mem_gb"),
+        "timeout_min": params["timeout_min"],
+        "max_num_timeout": params.get("max_num_timeout", 0),
+        "max_num_failures": max_num_failures,
+        "array_parallelism": params.get("array_parallelism", len(nums)),
+        "max_array_size": limit,
+        "problems": problems_found + conflicts(overrides, run_dirs),
+        "first_batch_of": batch if batch and len(nums) >= batch else None,
+    }
+
+
+def report(executor: Any, params: dict[str, Any], max_num_failures: int,
+           overrides: dict[int, list[str]], run_dirs: dict[int, Path], on_slurm: bool,
+           batch: int | None = None, as_json: bool = False) -> int:
+    """Print it all (`as_json`: as one JSON document); the exit status (2: a problem)."""
+    found = plan(executor, params, max_num_failures, overrides, run_dirs, on_slurm, batch)
+    if as_json:
+        from app.runs import emit
+
+        emit(found)
+        return 2 if found["problems"] else 0
+    for part in found["arrays"]:
+        jobs = part["jobs"]
+        print(f"# sbatch script of jobs #{jobs[0]}-#{jobs[-1]} ({len(jobs)} job(s))"
+              if len(jobs) > 1 else f"# sbatch script of job #{jobs[0]}")
+        print(part["sbatch_script"])
+    for job in found["jobs"]:
+        print(f"job #{job['job']}: {' '.join(job['overrides']) or '(no overrides)'}"
+              f" -> {job['run_dir']}")
+    mem = found["mem_gb"]  # (Slurm reads --mem=0 as all of a node's memory)
     memory = "the partition default" if mem is None else "all of a node" if mem == 0 else \
         f"{mem} GB"
-    sizes = ", ".join(f"{n} of {size}" for size, n in sorted(Counter(map(len, parts)).items(),
-                                                            reverse=True))
-    print(f"each job: {nodes} node(s) x {tasks} task(s) = {nodes * tasks} rank(s); per node "
-          f"{params.get('gpus_per_node') or 0} GPU(s), {per_task * tasks} CPU(s) ({per_task} "
-          f"per task), {memory} of memory\ntime limit {params['timeout_min']} min per run; "
-          f"requeued up to {params.get('max_num_timeout', 0)} time(s) at the limit and up to "
-          f"{max_num_failures} time(s) after a fault (it resumes)\n{len(nums)} job(s) in "
-          f"{len(parts)} submission(s) ({sizes} job(s)), at most "
-          f"{params.get('array_parallelism', len(nums))} running at once")
+    sizes = ", ".join(f"{n} of {size}" for size, n in sorted(
+        Counter(len(part["jobs"]) for part in found["arrays"]).items(), reverse=True))
+    print(f"each job: {found['nodes']} node(s) x {found['tasks_per_node']} task(s) = "
+          f"{found['ranks']} rank(s); per node {found['gpus_per_node']} GPU(s), "
+          f"{found['cpus_per_node']} CPU(s) ({found['cpus_per_task']} per task), {memory} of "
+          f"memory\ntime limit {found['timeout_min']} min per run; requeued up to "
+          f"{found['max_num_timeout']} time(s) at the limit and up to "
+          f"{found['max_num_failures']} time(s) after a fault (it resumes)\n"
+          f"{len(found['jobs'])} job(s) in {len(found['arrays'])} submission(s) ({sizes} "
+          f"job(s)), at most {found['array_parallelism']} running at once")
+    limit = found["max_array_size"]
     if limit:
         print(f"the cluster's MaxArraySize is {limit}: an array holds at most {limit} jobs")
-    found = invalid(params, max_num_failures) + (problems(params) if on_slurm else [])
-    found += conflicts(overrides, run_dirs)
-    for problem in found:
+    for problem in found["problems"]:
         print(f"problem: {problem}")
-    print(f"dry run: nothing was submitted; {len(found)} problem(s) found")
-    if batch and len(nums) >= batch:
-        print(f"(the sweeper gives the launcher {batch} job(s) at a time, "
+    print(f"dry run: nothing was submitted; {len(found['problems'])} problem(s) found")
+    if found["first_batch_of"]:
+        print(f"(the sweeper gives the launcher {found['first_batch_of']} job(s) at a time, "
               f"hydra.sweeper.max_batch_size: this dry run is of the first batch)")
-    return 2 if found else 0
+    return 2 if found["problems"] else 0

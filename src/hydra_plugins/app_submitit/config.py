@@ -36,8 +36,9 @@ class AppSlurmConf(SlurmQueueConf):
     signal_delay_s: int = 120  # seconds before the time limit at which Slurm sends USR2
     # false: submit, say how to follow the jobs (python -m app.status DIR) and exit at once
     wait: bool = True
-    # true: print each array's sbatch script, check it against the cluster, submit nothing
-    dry_run: bool = False
+    # true: print each array's sbatch script, check it against the cluster, submit nothing;
+    # json: the same as one JSON document (docs/json.md)
+    dry_run: bool | str = False
     # the jobs (and their requeues) run a copy of the code taken at submission
     code_snapshot: bool = True
     snapshot_max_mb: float = 100  # a larger snapshot is refused (one line), nothing submitted

@@ -32,6 +32,13 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
     def __init__(self, **params: Any) -> None:
         # app's own options, not submitit's (they must not reach its executor).
         self.wait, self.dry_run = params.pop("wait", True), params.pop("dry_run", False)
+        if self.dry_run not in (True, False, "json"):
+            refuse("hydra.launcher.dry_run=%s: give true (the dry run's report), json (the "
+                   "report as one JSON document) or false", self.dry_run)
+        if self.dry_run == "json":  # stdout holds the document alone: Hydra's lines go to stderr
+            for handler in logging.getLogger().handlers:
+                if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+                    handler.setStream(sys.stderr)
         self.code_snapshot = params.pop("code_snapshot", False)
         self.max_num_failures = params.pop("max_num_failures", 0)
         self.snapshot_max_mb = params.pop("snapshot_max_mb", 100)
@@ -76,7 +83,8 @@ class _AppSubmititLauncher(SubmitSide, JobSide, BaseSubmititLauncher):
         if self.dry_run:
             sys.exit(report(executor, self.params, self.max_num_failures, overrides,
                             {num: self._run_dir(num) for num in nums}, slurm,
-                            OmegaConf.select(self.config, "hydra.sweeper.max_batch_size")))
+                            OmegaConf.select(self.config, "hydra.sweeper.max_batch_size"),
+                            self.dry_run == "json"))
         bad = invalid(self.params, self.max_num_failures)
         if bad:
             refuse("%s", "; ".join(bad))
