@@ -107,3 +107,23 @@ def test_bad_values_are_one_line_errors_naming_the_key(override, words) -> None:
         Callbacks.build(make_config("+callbacks/profiler=default",
                                     f"callbacks.profiler.{override}"))
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_on_a_gpu_the_table_ranks_by_cuda_time() -> None:
+    """(No GPU here: the table from events as a CUDA run's profiler averages them.)"""
+    class Averages:
+        def __init__(self, key, cpu, cuda):
+            self.key, self.count = key, 2
+            self.self_cpu_time_total, self.self_device_time_total = cpu, cuda
+
+    class Prof:
+        def key_averages(self):
+            return [Averages("aten::addmm", 100, 3000), Averages("ProfilerStep*", 900, 0),
+                    Averages("aten::copy_", 500, 1000)]
+
+    lines = profiler_module.top_table(Prof(), 2, cuda=True).splitlines()
+    assert lines[0].split() == ["operator", "calls", "self", "CUDA", "ms", "%", "self", "CPU",
+                                "ms", "%"]
+    assert lines[1].split() == ["aten::addmm", "2", "3.000", "75.0", "0.100", "16.7"]
+    assert lines[2].split() == ["aten::copy_", "2", "1.000", "25.0", "0.500", "83.3"]
+    assert len(lines) == 3
