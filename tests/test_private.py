@@ -5,7 +5,10 @@ An upgrade of PyTorch, Hydra, submitit or Python that moves one fails here, by n
 
 from __future__ import annotations
 
+import pytest
+
 from app import _private
+from app.errors import InternalMissing
 
 
 def test_the_slurm_watcher_is_ours_and_reads_app_slurm(tmp_path, monkeypatch) -> None:
@@ -58,3 +61,20 @@ def test_a_sweep_s_jobs_are_numbered_as_the_basic_sweeper_runs_them() -> None:
     parsed = OverridesParser.create().parse_overrides(["a=1,2", "b=x,y", "c=3"])
     assert _private.basic_sweep_jobs(parsed) == [
         ["a=1", "b=x", "c=3"], ["a=1", "b=y", "c=3"], ["a=2", "b=x", "c=3"], ["a=2", "b=y", "c=3"]]
+
+
+def test_the_cuda_allocator_s_history_is_reached_where_torch_has_it(monkeypatch) -> None:
+    """Called for real on a GPU (tests/test_gpu.py); here: the two functions are there (a
+    monkeypatch of a missing one raises), and one gone is named."""
+    import torch.cuda.memory as memory
+
+    calls = []
+    monkeypatch.setattr(memory, "_record_memory_history", lambda on: calls.append(on))
+    monkeypatch.setattr(memory, "_dump_snapshot", lambda path: calls.append(path))
+    _private.record_memory_history(True)
+    _private.record_memory_history(False)
+    _private.dump_memory_snapshot("x.pickle")
+    assert calls == [True, None, "x.pickle"]
+    monkeypatch.delattr(memory, "_dump_snapshot")
+    with pytest.raises(InternalMissing, match=r"_dump_snapshot is gone"):
+        _private.dump_memory_snapshot("x.pickle")

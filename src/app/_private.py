@@ -1,8 +1,11 @@
-"""Every reach into another library's private internals, in one place: four.
+"""Every reach into another library's private internals, in one place: six.
 
 PyTorch, Hydra and submitit offer no public way to do these: reading a sharded checkpoint
 whole in memory without a model (DCP's public route, dcp_to_torch_save, writes a copy to disk
-first), the jobs of a sweep as Hydra's basic sweeper numbers them (to find a sweep directory
+first), torch.compile's time spent compiling and its cache hits (kept in torch._dynamo.utils,
+printed by TORCH_LOGS and tlparse only), the CUDA allocator's history for a memory snapshot
+(documented, but underscored),
+the jobs of a sweep as Hydra's basic sweeper numbers them (to find a sweep directory
 used by other values before any job runs), submitit's Slurm state watcher (replaced by one
 that reads app.slurm's job states: scontrol, then sacct), and the sbatch script submitit would
 write (`dry_run`). Each accessor checks that
@@ -40,6 +43,35 @@ def read_dcp_whole(reader: Any) -> dict[str, Any]:
         planner=_attr(default_planner, "_EmptyStateDictLoadPlanner")(), no_dist=True)
     return state
 
+
+def record_memory_history(on: bool) -> None:
+    """The CUDA caching allocator's history of allocations (for a snapshot on an
+    out-of-memory error): documented ("Understanding CUDA Memory Usage"), but underscored."""
+    import torch.cuda.memory as memory
+
+    _attr(memory, "_record_memory_history")(True if on else None)
+
+
+def dump_memory_snapshot(path: Any) -> None:
+    """The recorded history, as a file https://pytorch.org/memory_viz reads."""
+    import torch.cuda.memory as memory
+
+    _attr(memory, "_dump_snapshot")(str(path))
+
+
+
+def compile_stats() -> tuple[float, dict[str, int]]:
+    """Seconds torch.compile has spent compiling in this process so far (dynamo's frames and
+    the backward graphs compiled at the first backward), and its cache `hits` and `misses`
+    so far (inductor's FX graph cache and AOTAutograd's cache): PyTorch's running totals."""
+    from torch._dynamo import utils
+
+    spent = _attr(utils, "calculate_time_spent")()
+    counters = _attr(utils, "counters")
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return spent.get("total_wall_time", 0.0), {
+        "hits": inductor["fxgraph_cache_hit"] + aot["autograd_cache_hit"],
+        "misses": inductor["fxgraph_cache_miss"] + aot["autograd_cache_miss"]}
 
 # Hydra --------------------------------------------------------------------------------------
 

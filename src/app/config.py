@@ -78,12 +78,15 @@ class TrainerConfig:
     accumulate_grad_batches: int = _bound(1, ge=1)
     grad_clip_norm: float | None = _bound(None, gt=0)
     skip_nonfinite: bool = False
+    replay_nonfinite: bool = False
     ema: bool = False
     ema_decay: float = _bound(0.9998, gt=0, lt=1)
     ema_warmup_steps: int = _bound(2000, ge=1)
     decay_norm_and_bias: bool = False
     lr_scale_batch: int | None = _bound(None, ge=1)
     activation_checkpointing: list[str] = field(default_factory=list)  # module classes
+    telemetry: bool = False
+    peak_flops: float | None = _bound(None, gt=0)
 
 
 @dataclass

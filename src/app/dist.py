@@ -167,6 +167,20 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return _all_reduce(value, tdist.ReduceOp.SUM)
 
 
+def all_gather_floats(values: list[float]) -> list[list[float]]:
+    """Every rank's `values` (as many on each), in rank order: one small all-gather."""
+    if not initialized():
+        return [list(values)]
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if tdist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    out = torch.empty(world_size() * len(values), dtype=torch.float64, device=device)
+    # (all_gather_single is the newer name; all_gather_into_tensor warns there, deprecated)
+    gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+    gather(out, mine)
+    return out.view(world_size(), len(values)).tolist()
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """`obj` as rank `src` has it, on every rank."""
     if not initialized():

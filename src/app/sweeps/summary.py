@@ -8,6 +8,7 @@ Rebuilt from the run directories themselves (their `metrics.csv`, `result.json` 
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import math
 import os
@@ -96,7 +97,18 @@ def job_summary(run_dir: Path) -> dict[str, Any]:
         "attempts": num_attempts,
         "error": result.get("error"),
         "mode": mode,
+        "slowest_rank": slowest_rank(run_dir),
     }
+
+
+def slowest_rank(run_dir: Path) -> str | None:
+    """"rank R on HOST +P%": the rank most busy before the gradients' all-reduce, and its
+    excess over the median rank, from a run with trainer.telemetry=true (None without)."""
+    try:
+        found = json.loads((run_dir / "logs" / "telemetry.json").read_text())["straggler"]
+        return f"rank {found['rank']} on {found['host']} +{100 * found['excess']:.0f}%"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def curves_note(summary: dict[str, Any]) -> str | None:
@@ -138,9 +150,15 @@ def _cell(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
+def columns(jobs: list[dict[str, Any]]) -> list[str]:
+    """The table's columns: the slowest rank's where a job measured it (trainer.telemetry)."""
+    return COLUMNS + ["slowest_rank"] * any(job.get("slowest_rank") for job in jobs)
+
+
 def markdown(jobs: list[dict[str, Any]]) -> str:
-    rows = [COLUMNS, ["---"] * len(COLUMNS)]
-    rows += [[_cell(job[c]).replace("|", "\\|") for c in COLUMNS] for job in jobs]
+    shown = columns(jobs)
+    rows = [shown, ["---"] * len(shown)]
+    rows += [[_cell(job.get(c)).replace("|", "\\|") for c in shown] for job in jobs]
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
@@ -150,7 +168,7 @@ def write_summary(sweep_dir: Path, draw: bool = True) -> list[dict[str, Any]]:
     sign = -1 if jobs and jobs[0]["mode"] == "max" else 1
     jobs.sort(key=lambda j: (j["best"] is None, sign * (j["best"] or 0)))
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=columns(jobs), extrasaction="ignore")
         writer.writeheader()
         # Full precision in the CSV (it is for programs); 6 digits in the markdown table.
         writer.writerows(jobs)  # (None as an empty cell)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Iterator
@@ -48,6 +49,7 @@ from app.training.state import (
 )
 from app.training.step import FiniteLosses, TrainStep
 from app.training.stop import StopRequest
+from app.training.telemetry import Telemetry, flops_per_batch, peak_flops
 from app.training.validate import validate
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,9 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     data = build_data(cfg)
     model = _model_on(device, cfg, data)
     global_batch = data.batch_size * world_size * accumulate
+    # Counted before DDP or FSDP wrap it (on meta tensors: nothing of the model's changes).
+    flops = flops_per_batch(model, data.input_shape, data.batch_size, data.num_classes) \
+        if t.telemetry else None
     ema = ModelEMA(model, t.ema_decay, t.ema_warmup_steps) if t.ema else None
     checkpoint_activations(model, t.activation_checkpointing)  # (not the EMA's: no backward)
     train_model = _wrapped_for_training(model, ema, cfg, device, data)
@@ -83,6 +88,11 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                            t.grad_clip_norm, ema, skip_nonfinite=t.skip_nonfinite,
                            broadcast_buffers=cfg.distributed.broadcast_buffers)
     losses = FiniteLosses()
+    telemetry = train_step.telemetry = Telemetry(
+        run_dir, device, global_batch, flops and flops * accumulate,
+        peak_flops(device, t.peak_flops)) if t.telemetry else None
+    if telemetry is not None:
+        telemetry.watch_gradients(model)
     eval_model = ema.module if ema is not None else model  # EMA weights validate when enabled
     callbacks = Callbacks.build(cfg)
     run = Run(cfg, run_dir, device, model, eval_model, optimizer, data,
@@ -105,7 +115,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     if saved is not None:
         respread(scheduler, state.step, last_step(saved, t, saved.steps_per_epoch), total_steps)
     report = _Report(cfg, run_dir, run, callbacks, resumed=checkpoints.resumed_from is not None,
-                     trackers=checkpoints.trackers)
+                     trackers=checkpoints.trackers, telemetry=telemetry)
     if checkpoints.resumed_from is not None and finished(state, t):  # a re-run sweep job
         log.info("already finished at step %d%s: nothing to train", state.step,
                  f" ({state.stopped_early})" if state.stopped_early else "")
@@ -119,11 +129,19 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                  f", {left_out} train samples left out each epoch (a partial batch; drop_last)"
                  if left_out > 0 else "")
     model.train()
-    with report, StopRequest() as stop, callbacks.running(run):
+    with report, StopRequest() as stop, callbacks.running(run), \
+            telemetry.memory_snapshot_on_oom() if telemetry else contextlib.nullcontext():
+        if telemetry is not None:
+            telemetry.begin(state.step)
         while not finished(state, t):
             micro_batches = _epoch_batches(cfg, state, data, train_loader, sampler)
             for _ in range(steps_per_epoch - state.batch_in_epoch):
-                loss = train_step([next(micro_batches) for _ in range(accumulate)])
+                if telemetry is not None:
+                    telemetry.mark("start")
+                batch = [next(micro_batches) for _ in range(accumulate)]
+                if telemetry is not None:
+                    telemetry.mark("data")
+                loss = train_step(batch)
                 state.advance(steps_per_epoch)
                 if not t.skip_nonfinite:
                     losses.check(loss, state.step)  # raises for earlier steps' non-finite loss
@@ -153,7 +171,13 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
                 stopping = stop.should_stop()
                 if done or stopping or should_checkpoint(state, t, is_best):
                     losses.flush()  # never a checkpoint of weights a non-finite loss made
+                    if telemetry is not None:
+                        telemetry.mark("checkpoint")
                     checkpoints.save(val_metrics, is_best, last=done or stopping)
+                    if telemetry is not None:
+                        telemetry.mark("checkpointed")
+                if telemetry is not None:
+                    telemetry.step_done()
                 if stopping:
                     stopped = stop.stopped(state.step, resume_hint(run_dir))
                     report.end_trackers(stopped)  # (a requeue ends every process of the job)
@@ -222,8 +246,9 @@ class _Report:
     progress bar or, without one, a log line."""
 
     def __init__(self, cfg: AppConfig, run_dir: Path, run: Run, callbacks: Callbacks,
-                 resumed: bool, trackers: dict[str, str]) -> None:
+                 resumed: bool, trackers: dict[str, str], telemetry: Telemetry | None) -> None:
         self.run, self.callbacks, self.run_dir = run, callbacks, run_dir
+        self.telemetry = telemetry
         self.ended = False  # the trackers ended early (a stop, an error)
         self.logger = MetricLogger(run_dir, cfg.logger, run.step if resumed else None,
                                    trackers) if dist.is_main() else None
@@ -245,14 +270,17 @@ class _Report:
         with progress.waiting():
             loss_value = dist.all_reduce_mean(loss.detach()).item()
         metrics = {"loss": loss_value, "lr": lr}
+        if self.telemetry is not None:
+            metrics.update(self.telemetry.read(step))
         self.callbacks.log(self.run, step, metrics)
         if self.logger is not None:
             self.logger.log(step, epoch, "train", metrics)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
         else:
-            log.info("step %d/%d epoch %d: loss %.4f lr %.3e",
-                     step, self.run.total_steps, epoch, loss_value, lr)
+            log.info("step %d/%d epoch %d: loss %.4f lr %.3e%s",
+                     step, self.run.total_steps, epoch, loss_value, lr,
+                     f" | {self.telemetry.line(metrics)}" if self.telemetry else "")
 
     def validation(self, metrics: dict[str, float], is_best: bool) -> None:
         step, epoch = self.run.step, self.run.epoch
@@ -270,6 +298,8 @@ class _Report:
         resume continues them."""
         if error is not None:
             self.end_trackers(error)
+        if self.telemetry is not None:  # (a run that stops has its figures too)
+            self.telemetry.close()
 
     def end_trackers(self, error: BaseException) -> None:
         if self.logger is None or self.ended:

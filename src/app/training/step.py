@@ -54,6 +54,7 @@ class TrainStep:
         self.before_update = before_update  # called before weights, optimizer state, EMA change
         self.skip_nonfinite = skip_nonfinite
         self.skipped = 0  # steps skipped for a non-finite loss
+        self.telemetry: Any = None  # (trainer.telemetry: app.training.telemetry marks its parts)
         self.input_dtype = torch.bfloat16 if precision == "bf16-true" else None
         # Loss scaling keeps small float16 gradients from flushing to zero (disabled, the
         # scaler passes everything through).
@@ -89,6 +90,8 @@ class TrainStep:
             losses.append(loss.detach().float())
         if self.sync_buffers is not None:
             self.sync_buffers()
+        if self.telemetry is not None:
+            self.telemetry.mark("backward")
         total = losses[0] if n == 1 else torch.stack(losses).sum()
         if self.grad_clip_norm is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients
@@ -97,6 +100,8 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()  # the schedule keeps to the loop's step count
             self.skipped += 1
+            if self.telemetry is not None:
+                self.telemetry.mark("optimizer")
             return total
         self.before_update()
         self.scaler.step(self.optimizer)
@@ -105,6 +110,8 @@ class TrainStep:
         self.scheduler.step()
         if self.ema is not None:
             self.ema.update(self.model)
+        if self.telemetry is not None:
+            self.telemetry.mark("optimizer")
         return total
 
     def changed_only_by_step(self) -> list[torch.Tensor]:

@@ -1,0 +1,114 @@
+"""`trainer.telemetry=true`: each rank's step broken into its parts, throughput and FLOPs,
+peak memory, and the slowest rank named by its time before the gradients' all-reduce; none
+of it changes what is trained."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import re
+import socket
+
+import pytest
+import torch
+from torch import nn
+
+from app.sweeps.summary import job_summary, markdown
+from app.training import telemetry
+from conftest import HELPERS, TINY, assert_same_weights, read_metrics, run_job
+
+SECTIONS = ["time/data_s", "time/compute_s", "time/wait_s", "time/optimizer_s",
+            "time/checkpoint_s"]
+
+
+def test_telemetry_changes_nothing_of_the_training(tmp_path) -> None:
+    """Weights and losses bit for bit as without it (the FLOP count runs on meta tensors)."""
+    on = run_job(tmp_path / "on", *TINY, "trainer.max_epochs=2", "trainer.telemetry=true")
+    off = run_job(tmp_path / "off", *TINY, "trainer.max_epochs=2")
+    assert_same_weights(on.run_dir / "checkpoints" / "last.pt",
+                        off.run_dir / "checkpoints" / "last.pt")
+    losses = {name: [r["loss"] for r in read_metrics(job.run_dir)]
+              for name, job in (("on", on), ("off", off))}
+    assert losses["on"] == losses["off"]
+    assert not (off.run_dir / "logs" / "telemetry.json").exists()
+    assert "time/step_s" not in read_metrics(off.run_dir)[0]  # (off: no column)
+
+
+def test_each_logged_step_has_its_parts_speed_and_memory(tmp_path) -> None:
+    job = run_job(tmp_path / "run", *TINY, "trainer.max_epochs=2", "trainer.telemetry=true",
+                  "trainer.log_every_n_steps=5", "trainer.peak_flops=1e12")
+    rows = [r for r in read_metrics(job.run_dir) if r["split"] == "train"]
+    assert rows and all(r["time/step_s"] for r in rows)
+    for row in rows:
+        parts = [float(row[name]) for name in SECTIONS]
+        assert all(p >= 0 for p in parts) and float(row["time/compute_s"]) > 0
+        assert sum(parts) == pytest.approx(float(row["time/step_s"]))
+        assert float(row["samples_per_s"]) > 0 and float(row["mem/peak_rss_mb"]) > 50
+        # MFU: FLOP/s per device over the peak given
+        assert float(row["mfu"]) == pytest.approx(float(row["tflops_per_device"]) * 1e12 / 1e12)
+    assert "ms/step (data " in job.output and "samples/s" in job.output and "MFU " in job.output
+    summary = json.loads((job.run_dir / "logs" / "telemetry.json").read_text())
+    assert summary["world_size"] == 1 and summary["flops_per_step"] > 0
+    assert "straggler" not in summary  # (one rank)
+    with open(job.run_dir / "logs" / "steps.csv") as f:
+        logged = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in logged] == [int(r["step"]) for r in rows]
+    assert {r["rank"] for r in logged} == {"0"}
+
+
+def test_the_flops_of_a_step_are_counted_as_pytorch_counts_them() -> None:
+    """An MLP 64 -> 8 -> 10 on a batch of 4: forward 2 matmuls; backward the second's two
+    (input and weight) and the first's weight gradient."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = torch.random.get_rng_state()
+    b, i, h, c = 4, 64, 8, 10
+    expected = 2 * b * i * h + 2 * b * h * c + 2 * (2 * b * h * c) + 2 * b * i * h
+    assert telemetry.flops_per_batch(model, (i,), b, c) == expected
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(state, torch.random.get_rng_state())  # (no random draw)
+
+
+def test_a_model_that_cannot_be_counted_trains_without_mfu(caplog) -> None:
+    class Host(nn.Module):  # reads its input's values: not on meta tensors
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * float(x.sum())
+
+    with caplog.at_level(logging.WARNING):
+        assert telemetry.flops_per_batch(Host(), (4,), 2, 2) is None
+    assert "the FLOPs of a step were not counted" in caplog.text and "no MFU" in caplog.text
+
+
+def test_peak_flops_of_a_known_gpu_and_of_the_command_line() -> None:
+    assert telemetry.peak_flops(torch.device("cpu"), None) is None
+    assert telemetry.peak_flops(torch.device("cpu"), 2e12) == 2e12
+
+
+def test_the_slow_rank_is_named_by_its_time_before_the_all_reduce(tmp_path) -> None:
+    """Rank 1 sleeps 50 ms in each forward: both ranks' steps take as long (rank 0 waits in
+    the all-reduce), but rank 1 is the one busy before it."""
+    job = run_job(tmp_path / "run", *TINY, "devices=2", "trainer.max_epochs=2",
+                  "trainer.telemetry=true", "trainer.log_every_n_steps=5",
+                  "model._target_=faults.FaultyCNN", "+model.fault=slow", "+model.fault_rank=1",
+                  user_code=HELPERS)
+    with open(job.run_dir / "logs" / "steps.csv") as f:
+        logged = list(csv.DictReader(f))
+    waits = {rank: sum(float(r["wait_s"]) for r in logged if r["rank"] == rank)
+             for rank in ("0", "1")}
+    assert waits["0"] > waits["1"] + 0.02, waits  # rank 0 waited for rank 1
+    summary = json.loads((job.run_dir / "logs" / "telemetry.json").read_text())
+    assert summary["straggler"]["rank"] == 1 and summary["straggler"]["excess"] > 0.2, summary
+    rows = [r for r in read_metrics(job.run_dir) if r["split"] == "train"]
+    assert all(r["straggler/rank"] == "1" for r in rows[1:]), rows
+    # The sweep summary's column (app.report, app.status read the same)
+    said = job_summary(job.run_dir)["slowest_rank"]
+    assert re.fullmatch(rf"rank 1 on {re.escape(socket.gethostname())} \+\d+%", said), said
+    table = markdown([{**job_summary(job.run_dir), "job": "0", "overrides": "", "run_dir": ""}])
+    assert table.splitlines()[0].endswith("| error | slowest_rank |")
+    assert "slowest_rank" not in markdown([{**job_summary(tmp_path), "job": "0",
+                                            "overrides": "", "run_dir": ""}])
