@@ -197,13 +197,12 @@ def cmd_ls(root: Path, wanted: list[str], status: str | None, as_json: bool = Fa
     return 0
 
 
-def differences(a: DictConfig, b: DictConfig, missing: Any = "-"
-                ) -> list[tuple[str, Any, Any]]:
-    """(key, value in a, value in b) for each key whose value differs (`missing` where one
-    config lacks the key)."""
+def differences(a: DictConfig, b: DictConfig) -> list[tuple[str, Any, Any]]:
+    """(key, value in a, value in b) for each key whose value differs (_MISSING where one
+    config lacks the key: "-" in the text, null in JSON)."""
     la, lb = leaves(a), leaves(b)
-    return [(k, la.get(k, missing), lb.get(k, missing)) for k in sorted(set(la) | set(lb))
-            if k not in la or k not in lb or la[k] != lb[k]]
+    return [(k, la.get(k, _MISSING), lb.get(k, _MISSING)) for k in sorted(set(la) | set(lb))
+            if la.get(k, _MISSING) != lb.get(k, _MISSING)]
 
 
 def _unreadable(e: Exception) -> str:
@@ -244,7 +243,7 @@ def shown(run: Path, r: dict[str, Any]) -> dict[str, Any]:
     return {**fields(r), "command": rerun_command(run), "choices": r["choices"],
             "differs_from_defaults": [
                 {"key": key, "value": value, "default": default}
-                for key, default, value in differences(defaults, r["config"], _MISSING)],
+                for key, default, value in differences(defaults, r["config"])],
             "eval": records.get("eval.json"), "result": records.get(RESULT),
             "unreadable": unreadable,
             "files": [{"path": str(p.relative_to(run)), "bytes": p.stat().st_size}
@@ -304,7 +303,7 @@ def compared(a: Path, b: Path, ra: dict[str, Any], rb: dict[str, Any]) -> dict[s
               for run in (a, b))
     return {"a": fields(ra), "b": fields(rb),
             "differences": [{"key": k, "a": x, "b": y}
-                            for k, x, y in differences(ra["config"], rb["config"], _MISSING)],
+                            for k, x, y in differences(ra["config"], rb["config"])],
             "validations": [
                 {"step": step, **{f"{side}_val_{k}": _float(rows.get(step, {}).get(k))
                                   for side, rows in (("a", va), ("b", vb))
