@@ -103,6 +103,7 @@ def test_the_slow_rank_is_named_by_its_time_before_the_all_reduce(tmp_path) -> N
     assert waits["0"] > waits["1"] + 0.02, waits  # rank 0 waited for rank 1
     summary = json.loads((job.run_dir / "logs" / "telemetry.json").read_text())
     assert summary["straggler"]["rank"] == 1 and summary["straggler"]["excess"] > 0.2, summary
+    assert (job.run_dir / "plots" / "steps.png").stat().st_size > 10_000  # (a bar per rank)
     rows = [r for r in read_metrics(job.run_dir) if r["split"] == "train"]
     assert all(r["straggler/rank"] == "1" for r in rows[1:]), rows
     # The sweep summary's column (app.report, app.status read the same)

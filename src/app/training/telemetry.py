@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app import dist
+from app.reporting.breakdown import draw_breakdown
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,7 @@ class Telemetry:
                      "than the median rank (logs/steps.csv has each rank's steps)", slow,
                      self.hosts[slow], 100 * excess)
         (folder / "telemetry.json").write_text(json.dumps(summary, indent=2) + "\n")
+        draw_breakdown(self.run_dir)
 
     @contextlib.contextmanager
     def memory_snapshot_on_oom(self) -> Iterator[None]:
