@@ -54,6 +54,12 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device,
         from app.modes.export import run_export as run
     try:
         return run(cfg, run_dir, device)
+    except AppError as e:
+        if cfg.trainer.mode == Mode.trainval and cfg.trainer.replay_nonfinite:
+            from app.training.replay import replay_after  # (a non-finite loss's stop only)
+
+            replay_after(e, cfg, run_dir, device)
+        raise
     except Exception as e:  # (a dead loader worker: RuntimeError, or a connection error)
         died = loader_worker_died(e)
         if died is None:
