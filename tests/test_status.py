@@ -251,3 +251,13 @@ def test_status_json_of_a_submitted_sweep_names_each_slurm_job(tmp_path, capsys,
         {"job": 0, "slurm_job_id": "12_0", "status": "queued",
          "detail": "queued (PENDING: Resources)", "step": None, "total_steps": None,
          "overrides": ["seed=0"], "run_dir": str(sweep / "0")}]
+
+
+def test_a_completed_run_names_its_slowest_rank_when_it_measured_it(tmp_path) -> None:
+    run_dir = _run_dir(tmp_path, {"status": "completed", "wall_s": 1.0}, steps=3)
+    assert "slowest" not in status.from_run_dir(run_dir)[1]
+    (run_dir / "logs").mkdir()
+    (run_dir / "logs" / "telemetry.json").write_text(
+        '{"straggler": {"rank": 1, "host": "node2", "excess": 0.354}}')
+    assert status.from_run_dir(run_dir) == (
+        "completed", "completed: best val/acc 0.3, step 3; slowest rank 1 on node2 +35%")

@@ -19,7 +19,7 @@ from app.sweeps.summary import curves_note, job_summary, markdown, write_summary
 def _fields(summary: dict[str, Any]) -> dict[str, Any]:
     """A run's summary (`job_summary`, a sweep's job) as --json gives it."""
     found = {k: summary[k] for k in ("status", "error", "monitor", "best", "final", "steps",
-                                     "wall_s", "attempts")}
+                                     "wall_s", "attempts", "slowest_rank")}
     return {**found, "monitor_mode": summary["mode"]}
 
 

@@ -84,7 +84,8 @@ def fields(r: dict[str, Any]) -> dict[str, Any]:
     started = datetime.fromtimestamp(r["started"]).astimezone().isoformat(timespec="seconds")
     return {"run": str(r["run"]), "started": started,
             **{k: r[k] for k in ("status", "error", "mode", "monitor", "monitor_mode", "best",
-                                 "final", "steps", "wall_s", "attempts", "overrides")}}
+                                 "final", "steps", "wall_s", "attempts", "slowest_rank",
+                                 "overrides")}}
 
 
 def rerun_command(run: Path) -> str:

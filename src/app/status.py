@@ -81,7 +81,8 @@ def from_run_dir(run_dir: Path) -> tuple[str, str]:
     if status == "completed":
         best = "" if summary["best"] is None else \
             f"best {summary['monitor']} {summary['best']:.6g}, "
-        return status, f"completed: {best}step {summary['steps'] or 0}{again}"
+        slow = f"; slowest {summary['slowest_rank']}" if summary["slowest_rank"] else ""
+        return status, f"completed: {best}step {summary['steps'] or 0}{again}{slow}"
     if status in ENDED_BADLY:
         return status, f"{status}{_where(run_dir)}: {summary['error'] or 'no error recorded'}"
     if status == "requeued":  # (Slurm's own account of it is gone: no accounting, or purged)
