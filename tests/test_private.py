@@ -78,3 +78,16 @@ def test_the_cuda_allocator_s_history_is_reached_where_torch_has_it(monkeypatch)
     monkeypatch.delattr(memory, "_dump_snapshot")
     with pytest.raises(InternalMissing, match=r"_dump_snapshot is gone"):
         _private.dump_memory_snapshot("x.pickle")
+
+
+def test_torch_compile_s_time_and_cache_counts_are_reached_where_torch_keeps_them(
+        monkeypatch) -> None:
+    """Their meaning is checked for real by tests/test_compile_cache.py (a run's compile
+    misses the cache, its resumed run hits it); here: they are there, and one gone is named."""
+    from torch._dynamo import utils
+
+    seconds, counts = _private.compile_stats()
+    assert seconds >= 0 and set(counts) == {"hits", "misses"}
+    monkeypatch.delattr(utils, "calculate_time_spent")
+    with pytest.raises(InternalMissing, match=r"calculate_time_spent is gone"):
+        _private.compile_stats()

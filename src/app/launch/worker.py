@@ -26,6 +26,7 @@ from app.launch import ends, watchdog
 from app.launch.rank_logs import FAILURE_LOGGER, setup_rank_logging
 from app.launch.stacks import stacks_on_signal, stacks_to_stderr
 from app.rundir.lock import hold_as_worker
+from app.training.compile_cache import compile_cache
 from app.training.data_errors import loader_worker_died
 from app.training.runtime import apply_runtime_flags
 
@@ -53,7 +54,8 @@ def worker(cfg: AppConfig, run_dir: Path, device: torch.device,
     else:
         from app.modes.export import run_export as run
     try:
-        return run(cfg, run_dir, device)
+        with compile_cache(cfg, run_dir):  # (before anything compiles; saved at the end)
+            return run(cfg, run_dir, device)
     except AppError as e:
         if cfg.trainer.mode == Mode.trainval and cfg.trainer.replay_nonfinite:
             from app.training.replay import replay_after  # (a non-finite loss's stop only)

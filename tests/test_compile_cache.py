@@ -1,0 +1,83 @@
+"""compile=true keeps torch.compile's caches under the run directory, or a sweep's under the
+sweep directory: a resumed (requeued) run and the second job of a sweep compile from them.
+
+Each compile here builds C++ on the CPU (some 20 s cold for the tiny MLP, a few seconds
+warm), so the runs are the smallest that compile: 2 steps of an MLP [8], as processes (a
+process's first compile is what a requeued job pays).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from app.training.compile_cache import FOLDER
+from conftest import assert_ok, multirun, run_app, run_job
+
+TINY_COMPILED = ["compile=true", "model=mlp", "model.hidden=[8]", "trainer.max_steps=2",
+                 "trainer.progress_bar=false"]
+COMPILE_LINE = re.compile(r"compile: [\d.]+ s, cache hits (\d+), misses (\d+)")
+
+
+def hits_misses(log: str) -> tuple[int, int]:
+    """The counts of the run's one "compile:" line."""
+    lines = COMPILE_LINE.findall(log)
+    assert len(lines) == 1, log[-3000:]
+    return int(lines[0][0]), int(lines[0][1])
+
+
+def test_the_second_job_of_a_sweep_compiles_from_the_sweep_s_cache(tmp_path) -> None:
+    """Job 1 runs as a process of its own in the sweep directory, as a Slurm array's job does
+    (Hydra's basic launcher runs the jobs in one process, where job 0's compiled code
+    serves the next jobs, and nothing is compiled again)."""
+    proc, _ = multirun(tmp_path, *TINY_COMPILED, "seed=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = tmp_path / "sweep"
+    hits, misses = hits_misses((sweep / "0" / "train.log").read_text())
+    assert hits == 0 and misses > 0  # a cold cache: compiled from scratch
+    second = assert_ok(run_app(sweep / "1", *TINY_COMPILED, "seed=1")).output
+    hits, misses = hits_misses(second)
+    assert hits > 0 and misses == 0, second[-3000:]
+    cache = sweep / FOLDER
+    assert f"compile cache: {cache / 'inductor'}" in second
+    assert any((cache / "inductor").iterdir())
+    assert sorted(p.name for p in (cache / "artifacts").iterdir()) == ["0.bin", "1.bin"]
+    assert not (sweep / "0" / FOLDER).exists() and not (sweep / "1" / FOLDER).exists()
+
+
+def test_a_resumed_run_compiles_from_its_run_directory_s_cache(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    first = assert_ok(run_app(run_dir, *TINY_COMPILED)).output
+    hits, misses = hits_misses(first)
+    assert hits == 0 and misses > 0, first[-3000:]
+    assert (run_dir / FOLDER / "artifacts" / "run.bin").is_file()
+    # As Slurm's requeue reruns it: the same run directory, resumed from its checkpoint.
+    second = assert_ok(run_app(run_dir, *TINY_COMPILED, "trainer.max_steps=4")).output
+    assert "resumed from" in second
+    assert re.search(r"compile cache: .*\((\d+) entries loaded from .*artifacts\)", second)
+    hits, misses = hits_misses(second)
+    assert hits > 0 and misses == 0, second[-3000:]
+
+
+def test_a_user_s_inductor_folder_wins_and_the_artifacts_stay_with_the_run(tmp_path) -> None:
+    """(No compile: the set-up alone, in this process.)"""
+    from app.config import Mode
+    from app.training import compile_cache
+
+    cfg = type("Cfg", (), {"compile": True,
+                           "trainer": type("T", (), {"mode": Mode.trainval})()})()
+    original = compile_cache.USER_SETTING
+    try:
+        compile_cache.USER_SETTING = str(tmp_path / "mine")
+        with compile_cache.compile_cache(cfg, tmp_path / "run"):
+            assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    finally:
+        compile_cache.USER_SETTING = original
+    assert not (tmp_path / "run" / FOLDER / "inductor").exists()
+
+
+def test_without_compile_nothing_is_created(tmp_path) -> None:
+    job = run_job(tmp_path / "run", "model=mlp", "model.hidden=[8]", "trainer.max_steps=2",
+                  "trainer.progress_bar=false")
+    assert not (tmp_path / "run" / FOLDER).exists()
+    assert "compile cache" not in job.output and "compile:" not in job.output
