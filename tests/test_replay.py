@@ -88,6 +88,21 @@ def test_replay_nonfinite_names_a_gradient_that_went_nan_under_a_finite_loss(
     assert f"details in {run_dir / 'logs' / 'nonfinite.json'}" in caplog.text
 
 
+def test_with_two_ranks_the_rank_that_had_the_sample_is_named(tmp_path) -> None:
+    """Every rank replays its own batch (DDP averages the gradients as in the run); the rank
+    whose batch held the poisoned sample names it, the other's loss stays finite."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(AppError, match="on one rank at least"):
+        run_job(run_dir, *RUN, "devices=2", "trainer.replay_nonfinite=true", user_code=HELPERS)
+    report = _report(run_dir)
+    ranks = {r["rank"]: r for r in report["ranks"]}
+    (holder,) = [rank for rank, r in ranks.items() if POISONED in r["samples"]]
+    assert (report["rank"], report["module"], report["module_samples"]) == \
+        (holder, "features.0", [POISONED])
+    assert ranks[holder]["loss"] == "nan" and isinstance(ranks[1 - holder]["loss"], float)
+    assert ranks[0]["replayed_from"].endswith("step-00000011.pt")  # (11 steps an epoch)
+
+
 def test_a_run_that_did_not_stop_at_a_nonfinite_loss_is_refused(tmp_path, capsys) -> None:
     from app.replay import main
 

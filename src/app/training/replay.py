@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -336,6 +337,11 @@ def replay_after(error: BaseException, cfg: AppConfig, run_dir: Path,
     step = stopped_at(str(error))
     if step is None:
         return
+    # The loop's frames, which the error's traceback holds, hold its model, optimizer and
+    # batches: let them go before the replay builds its own (the device's memory, twice). An
+    # AppError is reported as its line, without the traceback.
+    error.__traceback__ = None
+    gc.collect()
     try:
         path = write_report(cfg, run_dir, device, step)
     except Exception as e:
