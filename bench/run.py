@@ -88,6 +88,12 @@ def steps_section(tmp: Path, repeats: int) -> str:
     rows.append(f"| CNN: three no-op callbacks (every hook) against none | {wo.fmt(1e3)} | "
                 f"{w.fmt(1e3)} | {ratio_range(w, wo)} | {verdict(paired_ratio(w, wo), 1.01)} "
                 f"(target 1.01) | |")
+    w, wo = step_overhead.overrides_cost([*first[1], f"trainer.max_steps={first[0] // 2}"],
+                                         ["trainer.telemetry=true"], repeats, tmp, "telemetry")
+    w, wo = Stat(w), Stat(wo)
+    rows.append(f"| CNN: trainer.telemetry=true (step parts, speed, FLOPs, memory) against off "
+                f"| {wo.fmt(1e3)} | {w.fmt(1e3)} | {ratio_range(w, wo)} | "
+                f"{verdict(paired_ratio(w, wo), 1.02)} (target 1.02) | |")
     dispatch = step_overhead.dispatch_seconds()
     rows.append(f"| CNN: the same three callbacks' calls alone, timed directly | {wo.fmt(1e3)} "
                 f"| +{dispatch * 1e6:.2f} µs | {1 + dispatch / wo.median:.5f} | "

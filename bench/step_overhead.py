@@ -163,10 +163,17 @@ def callback_cost(app_overrides: list[str], rounds: int, tmp: Path
     """Per round, the median seconds per step of the app's loop with three no-op callbacks
     (every hook overridden) and without, run in turns."""
     noop = [f"+callbacks.noop{i}._target_=noop_callbacks.NoOp" for i in range(3)]
-    with_cfg, without_cfg = _app_config([*app_overrides, *noop]), _app_config(app_overrides)
+    return overrides_cost(app_overrides, noop, rounds, tmp, "callbacks")
+
+
+def overrides_cost(app_overrides: list[str], extra: list[str], rounds: int, tmp: Path,
+                   name: str) -> tuple[list[float], list[float]]:
+    """Per round, the median seconds per step of the app's loop with `extra` overrides and
+    without, run in turns."""
+    with_cfg, without_cfg = _app_config([*app_overrides, *extra]), _app_config(app_overrides)
     withs, withouts = [], []
     for r in range(rounds):
-        dirs = [tmp / f"callbacks-{r}-{name}" for name in ("with", "without")]
+        dirs = [tmp / f"{name}-{r}-{which}" for which in ("with", "without")]
         _logging_as_hydra(dirs[0])
         dirs[1].mkdir(parents=True)
         loops = [lambda d=dirs[0]: app_train(with_cfg, d, torch.device("cpu")),
