@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.errors import UserError
-from conftest import TINY, multirun, run_job
+from conftest import HELPERS, TINY, multirun, read_metrics, run_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: run `make test-gpu` on a GPU machine")]
@@ -27,6 +27,22 @@ def test_each_precision_trains_on_the_gpu(tmp_path, precision) -> None:
 def test_compile_trains_on_the_gpu(tmp_path) -> None:
     job = run_job(tmp_path / "run", *CUDA, "compile=true", "precision=bf16-mixed")
     assert job.value is not None and job.value > 0.5
+
+
+def test_telemetry_reads_cuda_events_and_memory(tmp_path) -> None:
+    job = run_job(tmp_path / "run", *CUDA, "trainer.telemetry=true", "trainer.max_epochs=1")
+    rows = [r for r in read_metrics(job.run_dir) if r["split"] == "train"]
+    assert all(float(r["time/compute_s"]) > 0 for r in rows), rows
+    assert all(float(r["mem/cuda_max_allocated_mb"]) > 0 for r in rows), rows
+    assert "mfu" in rows[0] or "H100" not in torch.cuda.get_device_name()  # (a known GPU)
+
+
+def test_an_out_of_memory_error_writes_the_allocator_s_snapshot(tmp_path) -> None:
+    with pytest.raises(torch.OutOfMemoryError):
+        run_job(tmp_path / "run", *CUDA, "trainer.telemetry=true",
+                "model._target_=faults.FaultyCNN", "+model.fault=oom", "+model.fault_rank=0",
+                user_code=HELPERS)
+    assert (tmp_path / "run" / "logs" / "rank0.memory.pickle").stat().st_size > 0
 
 
 def test_occupy_reserves_gpu_memory(tmp_path) -> None:

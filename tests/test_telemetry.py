@@ -113,3 +113,43 @@ def test_the_slow_rank_is_named_by_its_time_before_the_all_reduce(tmp_path) -> N
     assert table.splitlines()[0].endswith("| error | slowest_rank |")
     assert "slowest_rank" not in markdown([{**job_summary(tmp_path), "job": "0",
                                             "overrides": "", "run_dir": ""}])
+
+
+def test_on_a_gpu_a_step_is_read_once_its_events_are_done(tmp_path, monkeypatch) -> None:
+    """CUDA events stand in for the GPU's (fakes here; the GPU lane runs the real ones): a step
+    whose events the device has not reached yet is read at a later logging step, and no read
+    waits for it (no synchronize, no elapsed_time of an event not done)."""
+    class Event:
+        clock = 0.0
+
+        def __init__(self, enable_timing: bool) -> None:
+            self.at, self.reached = None, True
+
+        def record(self) -> None:
+            Event.clock += 0.004  # 4 ms between marks
+            self.at = Event.clock
+
+        def query(self) -> bool:
+            return self.reached
+
+        def elapsed_time(self, end: Event) -> float:
+            assert self.reached and end.reached, "read before the device got there"
+            return (end.at - self.at) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    for name in ("max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda device: 0)
+    t = telemetry.Telemetry(tmp_path, torch.device("cpu"), 64, None, None)
+    t.cuda = True
+    for step in (1, 2):
+        t.step_marks = telemetry._Marks(cuda=True)
+        for name in ("start", "data", "grads", "backward", "optimizer"):
+            t.mark(name)
+        if step == 2:  # the device is still on step 2
+            t.step_marks.points["optimizer"].reached = False
+        t.step_done()
+    first = t.read(2)
+    assert first["time/compute_s"] == pytest.approx(0.004) and len(t.pending) == 1
+    t.pending[0].points["optimizer"].reached = True
+    t.read(3)
+    assert not t.pending

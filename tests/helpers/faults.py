@@ -63,6 +63,8 @@ class FaultyCNN(CNN):
                     os.kill(os.getpid(), signal.SIGSTOP)
                 if self.fault == "nan_loss":
                     return super().forward(x) * float("nan")
+                if self.fault == "oom":  # (on a GPU: more than any has)
+                    torch.empty(2**44, dtype=torch.uint8, device=x.device)
         return super().forward(x)
 
 
