@@ -6,11 +6,10 @@ Agg canvas, imported when drawn)."""
 from __future__ import annotations
 
 import csv
-import io
 import statistics
 from pathlib import Path
 
-from app.files import write_bytes_atomically
+from app.reporting.curves import save_png
 
 PARTS = {"data_s": ("data wait", "tab:gray"), "compute_s": ("compute", "tab:blue"),
          "wait_s": ("all-reduce wait", "tab:red"), "optimizer_s": ("optimizer", "tab:green"),
@@ -53,9 +52,4 @@ def draw_breakdown(run_dir: Path) -> Path | None:
     figure.subplots_adjust(left=1.4 / 9, right=0.98, top=1 - 0.35 / height,
                            bottom=0.95 / height)
     figure.legend(loc="lower center", ncols=len(PARTS), frameon=False, fontsize=8)
-    picture = io.BytesIO()
-    figure.savefig(picture, format="png")
-    out = run_dir / "plots" / "steps.png"
-    out.parent.mkdir(exist_ok=True)
-    write_bytes_atomically(out, picture.getvalue())
-    return out
+    return save_png(figure, run_dir / "plots" / "steps.png")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
+from typing import Any
 
 from app.files import write_bytes_atomically
 from app.reporting.results import read_metrics
@@ -93,9 +94,13 @@ def draw_curves(run_dir: Path, note: str | None = None) -> Path | None:
         # Above the plot area, right-aligned, where no line can run under it.
         ax.legend(loc="lower right", bbox_to_anchor=(1, 1), ncols=len(lines), frameon=False,
                   borderaxespad=0.2)
+    return save_png(figure, run_dir / "plots" / "curves.png")
+
+
+def save_png(figure: Any, out: Path) -> Path:
+    """A matplotlib figure as a PNG file, written whole or not at all (its folder made)."""
     picture = io.BytesIO()
     figure.savefig(picture, format="png")
-    out = run_dir / "plots" / "curves.png"
     out.parent.mkdir(exist_ok=True)
     write_bytes_atomically(out, picture.getvalue())
     return out

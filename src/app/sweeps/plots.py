@@ -5,14 +5,13 @@ would be. matplotlib's Agg canvas, imported when drawing (no pyplot: no state sh
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import textwrap
 from pathlib import Path
 from typing import Any
 
-from app.files import write_bytes_atomically
+from app.reporting.curves import save_png
 
 LABEL_MAX = 48  # characters of a job's label the picture holds; longer ones widen it
 VALUE_MAX = 20  # characters of a swept value in a label; longer ones lose what all share
@@ -236,7 +235,4 @@ def draw_summary(sweep_dir: Path, jobs: list[dict[str, Any]], monitor: str) -> P
     """The monitored metric per job (bars), and a heat map when the sweep is a 2-D grid."""
     if not jobs:
         return None
-    png = io.BytesIO()
-    summary_figure(sweep_dir, jobs, monitor).savefig(png, format="png")
-    write_bytes_atomically(sweep_dir / "summary.png", png.getvalue())
-    return sweep_dir / "summary.png"
+    return save_png(summary_figure(sweep_dir, jobs, monitor), sweep_dir / "summary.png")
