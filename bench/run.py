@@ -18,6 +18,7 @@ from pathlib import Path
 
 import blas_mode
 import ckpt_stall
+import compile_cache
 import fsdp
 import image_loader
 import step_overhead
@@ -283,6 +284,10 @@ def fsdp_section(tmp: Path, repeats: int) -> str:
     return fsdp.section(tmp, repeats, REPO)
 
 
+def compile_section(tmp: Path, repeats: int) -> str:
+    return compile_cache.section(repeats, tmp)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -295,7 +300,7 @@ def main() -> None:
         for name, fn in (("steps", steps_section), ("startup", startup), ("memory", memory),
                          ("ddp", ddp_and_spawn), ("checkpoint", checkpoint_stall),
                          ("blas", blas_section), ("loader", loader_section),
-                         ("fsdp", fsdp_section)):
+                         ("fsdp", fsdp_section), ("compile", compile_section)):
             sections[name] = fn(tmp, args.repeats)
             print(sections[name], flush=True)
     took = time.time() - started
@@ -378,6 +383,17 @@ cache on, the app decodes each image once and the plain loader still decodes eve
 bench/fsdp.py: `distributed.strategy=fsdp` against `ddp`, 2 ranks on this machine's CPU.
 
 {s['fsdp']}
+
+## 10. Compile cache: the first compile against the second
+
+bench/compile_cache.py: `compile=true` on the default job, first into an empty cache, then
+resumed from its checkpoint as a requeued job is, compiling from the run directory's
+`compile_cache/`; then resumed again with inductor's folder deleted, from the portable cache
+artifacts alone (inductor's graphs come back from them, but on a CPU its C++ kernels are
+built again, which is most of a compile). Compile seconds as the run logs them; first step: process
+start to the end of the first optimizer step.
+
+{s['compile']}
 
 ## Reading the misses
 

@@ -9,7 +9,8 @@ jobs of a sweep on several nodes share it. `artifacts/` holds PyTorch's portable
 artifacts (`torch.compiler.save_cache_artifacts`), one file per job, saved when the job
 ends (however it ends, a stop for a requeue included) and loaded by every job at its start:
 the same entries in a few files, which refill an inductor folder that is gone (deleted for
-its size, or a TORCHINDUCTOR_CACHE_DIR of the user's on a node's local disk).
+its size, or a TORCHINDUCTOR_CACHE_DIR of the user's on a node's local disk). On a CPU they
+save less: inductor's C++ kernels are built again from them (bench/compile_cache.py).
 
 A TORCHINDUCTOR_CACHE_DIR set by the user wins over `inductor/` (the artifacts still go
 under the run or sweep directory). Without compile=true nothing is created.
