@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from types import SimpleNamespace
 
 from app.training.compile_cache import FOLDER
 from conftest import assert_ok, multirun, run_app, run_job
@@ -59,21 +60,23 @@ def test_a_resumed_run_compiles_from_its_run_directory_s_cache(tmp_path) -> None
     assert hits > 0 and misses == 0, second[-3000:]
 
 
-def test_a_user_s_inductor_folder_wins_and_the_artifacts_stay_with_the_run(tmp_path) -> None:
-    """(No compile: the set-up alone, in this process.)"""
+def test_a_user_s_inductor_folder_wins_over_the_run_s_and_inductor_s_own_does_not(
+        tmp_path, monkeypatch) -> None:
+    """(The set-up alone, in this process.) Inductor writes its default folder into the
+    variable itself (import torch._dynamo), as in every worker a worker server forks: that
+    value is not the user's."""
+    from app import _private
     from app.config import Mode
-    from app.training import compile_cache
+    from app.training.compile_cache import VAR, compile_cache
 
-    cfg = type("Cfg", (), {"compile": True,
-                           "trainer": type("T", (), {"mode": Mode.trainval})()})()
-    original = compile_cache.USER_SETTING
-    try:
-        compile_cache.USER_SETTING = str(tmp_path / "mine")
-        with compile_cache.compile_cache(cfg, tmp_path / "run"):
-            assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
-    finally:
-        compile_cache.USER_SETTING = original
-    assert not (tmp_path / "run" / FOLDER / "inductor").exists()
+    cfg = SimpleNamespace(compile=True, trainer=SimpleNamespace(mode=Mode.trainval))
+    monkeypatch.setenv(VAR, _private.inductor_default_cache_dir())
+    with compile_cache(cfg, tmp_path / "run"):
+        assert os.environ[VAR] == str(tmp_path / "run" / FOLDER / "inductor")
+    assert os.environ[VAR] == _private.inductor_default_cache_dir()  # (as it was)
+    monkeypatch.setenv(VAR, str(tmp_path / "mine"))
+    with compile_cache(cfg, tmp_path / "run"):
+        assert os.environ[VAR] == str(tmp_path / "mine")
 
 
 def test_without_compile_nothing_is_created(tmp_path) -> None:

@@ -91,3 +91,13 @@ def test_torch_compile_s_time_and_cache_counts_are_reached_where_torch_keeps_the
     monkeypatch.delattr(utils, "calculate_time_spent")
     with pytest.raises(InternalMissing, match=r"calculate_time_spent is gone"):
         _private.compile_stats()
+
+
+def test_inductor_s_default_cache_folder_is_the_one_it_sets_itself(monkeypatch) -> None:
+    from torch._inductor.runtime import cache_dir_utils
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert cache_dir_utils.cache_dir() == _private.inductor_default_cache_dir()
+    monkeypatch.delattr(cache_dir_utils, "default_cache_dir")
+    with pytest.raises(InternalMissing, match=r"default_cache_dir is gone"):
+        _private.inductor_default_cache_dir()

@@ -1,17 +1,16 @@
 """Every reach into another library's private internals, in one place: six.
 
-PyTorch, Hydra and submitit offer no public way to do these: reading a sharded checkpoint
-whole in memory without a model (DCP's public route, dcp_to_torch_save, writes a copy to disk
-first), torch.compile's time spent compiling and its cache hits (kept in torch._dynamo.utils,
-printed by TORCH_LOGS and tlparse only), the CUDA allocator's history for a memory snapshot
-(documented, but underscored),
-the jobs of a sweep as Hydra's basic sweeper numbers them (to find a sweep directory
-used by other values before any job runs), submitit's Slurm state watcher (replaced by one
-that reads app.slurm's job states: scontrol, then sacct), and the sbatch script submitit would
-write (`dry_run`). Each accessor checks that
-what it reaches for is there; tests/test_private.py exercises each one on the installed
-versions, so an upgrade that moves one fails there, by name, rather than somewhere inside a
-run.
+PyTorch, Hydra and submitit offer no public way to do these: reading a sharded checkpoint whole
+in memory without a model (DCP's public route, dcp_to_torch_save, writes a copy to disk first),
+torch.compile's time spent compiling and its cache hits (kept in torch._dynamo.utils, printed
+by TORCH_LOGS and tlparse only) and inductor's default cache folder, the CUDA allocator's
+history for a memory snapshot (documented, but underscored), the jobs of a sweep as Hydra's
+basic sweeper numbers them (to find a sweep directory used by other values before any job
+runs), submitit's Slurm state watcher (replaced by one that reads app.slurm's job states:
+scontrol, then sacct), and the sbatch script submitit would write (`dry_run`). Each accessor
+checks that what it reaches for is there; tests/test_private.py exercises each one on the
+installed versions, so an upgrade that moves one fails there, by name, rather than somewhere
+inside a run.
 """
 
 from __future__ import annotations
@@ -59,11 +58,11 @@ def dump_memory_snapshot(path: Any) -> None:
     _attr(memory, "_dump_snapshot")(str(path))
 
 
-
 def compile_stats() -> tuple[float, dict[str, int]]:
     """Seconds torch.compile has spent compiling in this process so far (dynamo's frames and
     the backward graphs compiled at the first backward), and its cache `hits` and `misses`
-    so far (inductor's FX graph cache and AOTAutograd's cache): PyTorch's running totals."""
+    so far (inductor's FX graph cache and AOTAutograd's cache): PyTorch's running totals
+    (torch._dynamo.reset() sets the time back to zero)."""
     from torch._dynamo import utils
 
     spent = _attr(utils, "calculate_time_spent")()
@@ -72,6 +71,15 @@ def compile_stats() -> tuple[float, dict[str, int]]:
     return spent.get("total_wall_time", 0.0), {
         "hits": inductor["fxgraph_cache_hit"] + aot["autograd_cache_hit"],
         "misses": inductor["fxgraph_cache_miss"] + aot["autograd_cache_miss"]}
+
+
+def inductor_default_cache_dir() -> str:
+    """The folder inductor falls back on, and writes into TORCHINDUCTOR_CACHE_DIR itself (at
+    the import of torch._dynamo): a value there that is this one is not the user's."""
+    from torch._inductor.runtime import cache_dir_utils
+
+    return _attr(cache_dir_utils, "default_cache_dir")()
+
 
 # Hydra --------------------------------------------------------------------------------------
 

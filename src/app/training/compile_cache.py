@@ -34,9 +34,6 @@ log = logging.getLogger(__name__)
 
 FOLDER = "compile_cache"
 VAR = "TORCHINDUCTOR_CACHE_DIR"
-# The user's own setting, read before anything in this process compiled: inductor sets the
-# variable itself (to its default) the first time it looks it up.
-USER_SETTING = os.environ.get(VAR)
 
 
 def cache_folder(run_dir: Path) -> Path:
@@ -54,7 +51,7 @@ def compile_cache(cfg: AppConfig, run_dir: Path) -> Iterator[None]:
         return
     folder = cache_folder(run_dir)
     previous = os.environ.get(VAR)
-    os.environ[VAR] = USER_SETTING or str(folder / "inductor")
+    os.environ[VAR] = _users_folder(previous) or str(folder / "inductor")
     loaded = _load_artifacts(folder / "artifacts")
     log.info("compile cache: %s%s", os.environ[VAR],
              f" ({loaded} entries loaded from {folder / 'artifacts'})" if loaded else "")
@@ -75,6 +72,15 @@ def compile_cache(cfg: AppConfig, run_dir: Path) -> Iterator[None]:
             os.environ.pop(VAR, None)
         else:
             os.environ[VAR] = previous
+
+
+def _users_folder(value: str | None) -> str | None:
+    """The variable's value when the user set it: inductor sets it itself, to its default
+    folder, at the import of torch._dynamo (in a worker server's preload, in any optimizer's
+    first step)."""
+    if value is None or os.path.abspath(value) == _private.inductor_default_cache_dir():
+        return None
+    return value
 
 
 def _job_name(run_dir: Path, folder: Path) -> str:
