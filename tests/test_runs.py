@@ -215,3 +215,17 @@ def test_show_gives_a_run_s_command_with_its_search_path(tmp_path, capsys) -> No
         "    - optimizer.lr=0.01\n")
     assert runs.rerun_command(run) == ("python -m app model=mine optimizer.lr=0.01 "
                                        f"'hydra.searchpath=[file://conf]' hydra.run.dir={run}")
+
+
+def test_show_lists_the_compile_cache_as_one_folder(outputs, tmp_path, capsys) -> None:
+    """compile=true keeps torch.compile's cache in the run (dozens of small files)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(outputs / "multirun" / "sweep" / "1", run)
+    for i in range(30):
+        (run / "compile_cache" / "inductor" / f"{i:02d}").mkdir(parents=True)
+        (run / "compile_cache" / "inductor" / f"{i:02d}" / "kernel.so").write_bytes(b"x" * 100)
+    code, lines = _run(capsys, "show", str(run))
+    assert code == 0 and "  compile_cache/  3.00kB" in lines, lines
+    assert not any("kernel.so" in line for line in lines)

@@ -36,7 +36,9 @@ from app.reporting.results import RESULT, folder_arg, read_metrics
 from app.rundir.name import is_job_of_sweep
 from app.sweeps.summary import job_summary, overrides_of
 
-SKIP = {".code", ".submitit", "checkpoints", "logs", "plots", ".hydra", "export"}
+# Folders that hold no run (walked past), and torch.compile's cache (many small files: one
+# line in `show`, not each of them).
+SKIP = {".code", ".submitit", "checkpoints", "logs", "plots", ".hydra", "export", "compile_cache"}
 
 
 # --json, of this command and of app.status, app.report and the dry run: one JSON document on
@@ -239,16 +241,19 @@ def shown(run: Path, r: dict[str, Any]) -> dict[str, Any]:
                 records[name] = json.loads((run / name).read_bytes())
             except ValueError as e:
                 unreadable[name] = f"not valid JSON ({e})"
-    files = sorted(p for p in run.rglob("*") if p.is_file() and not any(
-        part.startswith(".") for part in p.relative_to(run).parts))
+    files = {str(p.relative_to(run)): p.stat().st_size for p in sorted(run.rglob("*"))
+             if p.is_file() and not any(part.startswith(".") or part == "compile_cache"
+                                        for part in p.relative_to(run).parts)}
+    if (run / "compile_cache").is_dir():
+        files["compile_cache/"] = sum(p.stat().st_size for p in
+                                      (run / "compile_cache").rglob("*") if p.is_file())
     return {**fields(r), "command": rerun_command(run), "choices": r["choices"],
             "differs_from_defaults": [
                 {"key": key, "value": value, "default": default}
                 for key, default, value in differences(defaults, r["config"])],
             "eval": records.get("eval.json"), "result": records.get(RESULT),
             "unreadable": unreadable,
-            "files": [{"path": str(p.relative_to(run)), "bytes": p.stat().st_size}
-                      for p in files]}
+            "files": [{"path": path, "bytes": size} for path, size in files.items()]}
 
 
 def _given(value: Any) -> Any:
