@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,6 +96,18 @@ def steps_section(tmp: Path, repeats: int) -> str:
     rows.append(f"| CNN: trainer.telemetry=true (step parts, speed, FLOPs, memory) against off "
                 f"| {wo.fmt(1e3)} | {w.fmt(1e3)} | {ratio_range(w, wo)} | "
                 f"{verdict(paired_ratio(w, wo), 1.02)} (target 1.02) | |")
+    # The profiler's window (bench/step_overhead.window_cost): steps 31-37 traced of 60.
+    window = step_overhead.window_cost(
+        [*first[1], "trainer.max_steps=60"],
+        ["+callbacks/profiler=default", "callbacks.profiler.wait=30",
+         "callbacks.profiler.warmup=2", "callbacks.profiler.active=5"], range(31, 38),
+        repeats, tmp)
+    inside, outside = (statistics.median(window[k]) for k in ("inside", "outside"))
+    rows.append(f"| CNN: +callbacks/profiler=default, the steps of its window (31-36 of 60) "
+                f"against none | | | {inside:.3f} | (no target; the window's last step adds "
+                f"{statistics.median(window['last_s']):.2f} s: the trace written) | |")
+    rows.append(f"| CNN: the same, the steps outside its window | | | {outside:.3f} | "
+                f"{verdict(outside, 1.01)} (target 1.01) | |")
     dispatch = step_overhead.dispatch_seconds()
     rows.append(f"| CNN: the same three callbacks' calls alone, timed directly | {wo.fmt(1e3)} "
                 f"| +{dispatch * 1e6:.2f} µs | {1 + dispatch / wo.median:.5f} | "
@@ -334,7 +347,10 @@ is a model whose step costs a fraction of a millisecond, so the difference in µ
 own per-step work (the loss check, logging every 10th step, the stop agreement, the sampler):
 what shows of it on a fast GPU, where a small model's step is mostly host work. "losses":
 the losses the app logged equal the plain loop's at the same steps, bit for bit (each loop
-run alone).
+run alone). The telemetry row runs the app with `trainer.telemetry=true` against itself
+without it, in turns; the profiler rows the same with `+callbacks/profiler=default` tracing
+steps 31-37 of 60, split into the steps of its window (their median, the last step aside)
+and the steps outside it.
 
 {s['steps']}
 

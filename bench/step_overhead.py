@@ -108,6 +108,12 @@ def _same_losses(metrics: Path, losses: list[float]) -> bool:
 def _in_turns(first, second, device: str = "cpu") -> tuple[float, float]:
     """Run two loops in turns, each in a thread of its own (so that neither has the main
     thread's place); their median step times."""
+    firsts, seconds = _steps_in_turns(first, second, device)
+    return statistics.median(firsts[WARMUP:]), statistics.median(seconds[WARMUP:])
+
+
+def _steps_in_turns(first, second, device: str = "cpu") -> tuple[list[float], list[float]]:
+    """Run two loops in turns; each one's step times, step by step."""
     global _turns
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     turns = _turns = Turns("first", "second", sync)
@@ -126,8 +132,7 @@ def _in_turns(first, second, device: str = "cpu") -> tuple[float, float]:
     for thread in threads:
         thread.join()
     _turns = None
-    return (statistics.median(turns.times["first"][WARMUP:]),
-            statistics.median(turns.times["second"][WARMUP:]))
+    return turns.times["first"], turns.times["second"]
 
 
 def compare(app_overrides: list[str], plain_args: list[str], rounds: int, tmp: Path,
@@ -164,6 +169,32 @@ def callback_cost(app_overrides: list[str], rounds: int, tmp: Path
     (every hook overridden) and without, run in turns."""
     noop = [f"+callbacks.noop{i}._target_=noop_callbacks.NoOp" for i in range(3)]
     return overrides_cost(app_overrides, noop, rounds, tmp, "callbacks")
+
+
+def window_cost(app_overrides: list[str], extra: list[str], window: range, rounds: int,
+                tmp: Path) -> dict[str, list[float]]:
+    """Per round, the app's loop with `extra` (a profiler's window of steps) against without,
+    in turns: the ratio of their median step inside the window (its last step aside, where
+    the trace is written), outside it, and the seconds that last step adds."""
+    with_cfg, without_cfg = _app_config([*app_overrides, *extra]), _app_config(app_overrides)
+    found: dict[str, list[float]] = {"inside": [], "outside": [], "last_s": []}
+    for r in range(rounds):
+        dirs = [tmp / f"window-{r}-{which}" for which in ("with", "without")]
+        _logging_as_hydra(dirs[0])
+        dirs[1].mkdir(parents=True)
+        loops = [lambda d=dirs[0]: app_train(with_cfg, d, torch.device("cpu")),
+                 lambda d=dirs[1]: app_train(without_cfg, d, torch.device("cpu"))]
+        w, wo = _steps_in_turns(*loops) if r % 2 == 0 else _steps_in_turns(*loops[::-1])[::-1]
+        # A step's time ends at its optimizer step: what its callbacks' on_step_end does (the
+        # profiler's step, its trace at the window's end) is in the next step's, index = step.
+        inside = list(window)[:-1]
+        outside = [i for i in range(WARMUP, len(w)) if i not in window]
+        for key, steps in (("inside", inside), ("outside", outside)):
+            found[key].append(statistics.median(w[i] for i in steps) /
+                              statistics.median(wo[i] for i in steps))
+        found["last_s"].append(w[window[-1]] - wo[window[-1]])
+    logging.getLogger().handlers.clear()
+    return found
 
 
 def overrides_cost(app_overrides: list[str], extra: list[str], rounds: int, tmp: Path,
