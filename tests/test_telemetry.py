@@ -153,3 +153,9 @@ def test_on_a_gpu_a_step_is_read_once_its_events_are_done(tmp_path, monkeypatch)
     t.pending[0].points["optimizer"].reached = True
     t.read(3)
     assert not t.pending
+
+
+def test_the_progress_bar_shows_the_step_time_and_the_wait(tmp_path, capfd) -> None:
+    run_job(tmp_path / "run", *TINY, "trainer.max_epochs=1", "trainer.telemetry=true",
+            "trainer.progress_bar=true")
+    assert re.search(r"ms/step=[\d.]+, wait=\d+%", capfd.readouterr().err)

@@ -276,7 +276,10 @@ class _Report:
         if self.logger is not None:
             self.logger.log(step, epoch, "train", metrics)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+            speed = {} if self.telemetry is None else {
+                "ms/step": f"{metrics['time/step_s'] * 1e3:.1f}",
+                "wait": f"{metrics['time/wait_s'] / max(metrics['time/step_s'], 1e-12):.0%}"}
+            self.bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", **speed)
         else:
             log.info("step %d/%d epoch %d: loss %.4f lr %.3e%s",
                      step, self.run.total_steps, epoch, loss_value, lr,
