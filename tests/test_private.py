@@ -69,12 +69,13 @@ def test_the_cuda_allocator_s_history_is_reached_where_torch_has_it(monkeypatch)
     import torch.cuda.memory as memory
 
     calls = []
-    monkeypatch.setattr(memory, "_record_memory_history", lambda on: calls.append(on))
+    monkeypatch.setattr(memory, "_record_memory_history",
+                        lambda on, max_entries: calls.append(on))
     monkeypatch.setattr(memory, "_dump_snapshot", lambda path: calls.append(path))
     _private.record_memory_history(True)
     _private.record_memory_history(False)
     _private.dump_memory_snapshot("x.pickle")
-    assert calls == [True, None, "x.pickle"]
+    assert calls == ["all", None, "x.pickle"]
     monkeypatch.delattr(memory, "_dump_snapshot")
     with pytest.raises(InternalMissing, match=r"_dump_snapshot is gone"):
         _private.dump_memory_snapshot("x.pickle")

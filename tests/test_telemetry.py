@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from app.sweeps.summary import job_summary, markdown
+from app.sweeps.summary import job_summary, markdown, said_slowest
 from app.training import telemetry
 from conftest import HELPERS, TINY, assert_same_weights, read_metrics, run_job
 
@@ -47,6 +47,7 @@ def test_each_logged_step_has_its_parts_speed_and_memory(tmp_path) -> None:
         assert float(row["samples_per_s"]) > 0 and float(row["mem/peak_rss_mb"]) > 50
         # MFU: FLOP/s per device over the peak given
         assert float(row["mfu"]) == pytest.approx(float(row["tflops_per_device"]) * 1e12 / 1e12)
+    _flops_agree(job.run_dir, rows, global_batch=64)
     assert "ms/step (data " in job.output and "samples/s" in job.output and "MFU " in job.output
     summary = json.loads((job.run_dir / "logs" / "telemetry.json").read_text())
     assert summary["world_size"] == 1 and summary["flops_per_step"] > 0
@@ -106,9 +107,12 @@ def test_the_slow_rank_is_named_by_its_time_before_the_all_reduce(tmp_path) -> N
     assert (job.run_dir / "plots" / "steps.png").stat().st_size > 10_000  # (a bar per rank)
     rows = [r for r in read_metrics(job.run_dir) if r["split"] == "train"]
     assert all(r["straggler/rank"] == "1" for r in rows[1:]), rows
+    _flops_agree(job.run_dir, rows, global_batch=128)  # (each rank's FLOPs, per device)
     # The sweep summary's column (app.report, app.status read the same)
-    said = job_summary(job.run_dir)["slowest_rank"]
-    assert re.fullmatch(rf"rank 1 on {re.escape(socket.gethostname())} \+\d+%", said), said
+    found = job_summary(job.run_dir)["slowest_rank"]
+    assert found["rank"] == 1 and found["host"] == socket.gethostname(), found
+    assert re.fullmatch(rf"rank 1 on {re.escape(socket.gethostname())} \+\d+%",
+                        said_slowest(found))
     table = markdown([{**job_summary(job.run_dir), "job": "0", "overrides": "", "run_dir": ""}])
     assert table.splitlines()[0].endswith("| error | slowest_rank |")
     assert "slowest_rank" not in markdown([{**job_summary(tmp_path), "job": "0",
@@ -159,3 +163,29 @@ def test_the_progress_bar_shows_the_step_time_and_the_wait(tmp_path, capfd) -> N
     run_job(tmp_path / "run", *TINY, "trainer.max_epochs=1", "trainer.telemetry=true",
             "trainer.progress_bar=true")
     assert re.search(r"ms/step=[\d.]+, wait=\d+%", capfd.readouterr().err)
+
+
+def _flops_agree(run_dir, rows, global_batch: int) -> None:
+    """FLOP/s per device = one rank's FLOPs a step x steps a second."""
+    flops = json.loads((run_dir / "logs" / "telemetry.json").read_text())["flops_per_step"]
+    for row in rows:
+        steps_per_s = float(row["samples_per_s"]) / global_batch
+        assert float(row["tflops_per_device"]) * 1e12 == pytest.approx(flops * steps_per_s)
+
+
+@pytest.mark.parametrize(("name", "peak"), [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA L4", 121e12), ("NVIDIA L40S", 362e12), ("NVIDIA L40", None),
+    ("NVIDIA A10G", None), ("NVIDIA A100-SXM4-80GB", 312e12), ("Tesla T4", 65e12)])
+def test_a_gpu_s_peak_is_found_by_the_whole_words_of_its_name(name, peak) -> None:
+    assert telemetry.peak_of(name) == peak
+
+
+def test_a_resumed_run_adds_to_its_step_records(tmp_path) -> None:
+    first = run_job(tmp_path / "run", *TINY, "trainer.max_epochs=1", "trainer.telemetry=true",
+                    "trainer.log_every_n_steps=5")
+    run_job(tmp_path / "run", *TINY, "trainer.max_epochs=2", "trainer.telemetry=true",
+            "trainer.log_every_n_steps=5")
+    with open(first.run_dir / "logs" / "steps.csv") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f)]
+    assert steps == [5, 10, 15, 20, 22, 25, 30, 35, 40, 44], steps  # (both attempts, a header)

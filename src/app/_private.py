@@ -48,7 +48,8 @@ def record_memory_history(on: bool) -> None:
     out-of-memory error): documented ("Understanding CUDA Memory Usage"), but underscored."""
     import torch.cuda.memory as memory
 
-    _attr(memory, "_record_memory_history")(True if on else None)
+    # (the last 100,000 allocations with their stacks: torchtitan's setting)
+    _attr(memory, "_record_memory_history")("all" if on else None, max_entries=100_000)
 
 
 def dump_memory_snapshot(path: Any) -> None:

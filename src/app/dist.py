@@ -171,13 +171,13 @@ def all_gather_floats(values: list[float]) -> list[list[float]]:
     """Every rank's `values` (as many on each), in rank order: one small all-gather."""
     if not initialized():
         return [list(values)]
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if tdist.get_backend() == "nccl" else torch.device("cpu")
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    out = torch.empty(world_size() * len(values), dtype=torch.float64, device=device)
+    # On the gloo group, CPU tensors, whatever the devices' backend (NCCL, XCCL, HCCL): no
+    # device copy, no wait for the device.
+    mine = torch.tensor(values, dtype=torch.float64)
+    out = torch.empty(world_size() * len(values), dtype=torch.float64)
     # (all_gather_single is the newer name; all_gather_into_tensor warns there, deprecated)
     gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
-    gather(out, mine)
+    gather(out, mine, group=control_group())
     return out.view(world_size(), len(values)).tolist()
 
 

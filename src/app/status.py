@@ -25,7 +25,7 @@ from app import slurm
 from app.reporting.results import folder_arg
 from app.rundir.lock import LOCK_NAME
 from app.runs import JSON_HELP, emit
-from app.sweeps.summary import collect, job_summary, overrides_of
+from app.sweeps.summary import collect, job_summary, overrides_of, said_slowest
 
 PROGRESS = re.compile(r"\] - step (\d+)/(\d+) ")  # the loop's log line: "step N/M epoch E: ..."
 TAIL_BYTES = 1 << 16  # of train.log, where the last progress line is
@@ -81,7 +81,8 @@ def from_run_dir(run_dir: Path) -> tuple[str, str]:
     if status == "completed":
         best = "" if summary["best"] is None else \
             f"best {summary['monitor']} {summary['best']:.6g}, "
-        slow = f"; slowest {summary['slowest_rank']}" if summary["slowest_rank"] else ""
+        slow = f"; slowest {said_slowest(summary['slowest_rank'])}" \
+            if summary["slowest_rank"] else ""
         return status, f"completed: {best}step {summary['steps'] or 0}{again}{slow}"
     if status in ENDED_BADLY:
         return status, f"{status}{_where(run_dir)}: {summary['error'] or 'no error recorded'}"

@@ -101,14 +101,20 @@ def job_summary(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def slowest_rank(run_dir: Path) -> str | None:
-    """"rank R on HOST +P%": the rank most busy before the gradients' all-reduce, and its
-    excess over the median rank, from a run with trainer.telemetry=true (None without)."""
+def slowest_rank(run_dir: Path) -> dict[str, Any] | None:
+    """{rank, host, excess}: the rank most busy before the gradients' all-reduce and its
+    excess over the other ranks' median (0.35: 35% more), from a run with
+    trainer.telemetry=true and several ranks (None without)."""
     try:
         found = json.loads((run_dir / "logs" / "telemetry.json").read_text())["straggler"]
-        return f"rank {found['rank']} on {found['host']} +{100 * found['excess']:.0f}%"
+        return {"rank": int(found["rank"]), "host": str(found["host"]),
+                "excess": float(found["excess"])}
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def said_slowest(found: dict[str, Any]) -> str:
+    return f"rank {found['rank']} on {found['host']} +{100 * found['excess']:.0f}%"
 
 
 def curves_note(summary: dict[str, Any]) -> str | None:
@@ -147,6 +153,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
 def _cell(value: Any) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
+    if isinstance(value, dict):  # (slowest_rank)
+        return said_slowest(value)
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
@@ -171,7 +179,8 @@ def write_summary(sweep_dir: Path, draw: bool = True) -> list[dict[str, Any]]:
         writer = csv.DictWriter(f, fieldnames=columns(jobs), extrasaction="ignore")
         writer.writeheader()
         # Full precision in the CSV (it is for programs); 6 digits in the markdown table.
-        writer.writerows(jobs)  # (None as an empty cell)
+        writer.writerows({**job, "slowest_rank": _cell(job.get("slowest_rank"))}
+                         for job in jobs)  # (None as an empty cell)
     monitor = jobs[0]["monitor"] if jobs else "val/acc"
     (sweep_dir / "summary.md").write_text(
         f"# Sweep {sweep_dir}\n\nSorted by best {monitor}.\n\n{markdown(jobs)}\n")

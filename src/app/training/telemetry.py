@@ -14,6 +14,7 @@ summary name its slowest rank).
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import logging
 import resource
@@ -38,9 +39,10 @@ log = logging.getLogger(__name__)
 SECTIONS = ("data_s", "compute_s", "wait_s", "optimizer_s", "checkpoint_s")
 # Dense bf16/fp16 tensor-core peak FLOP/s per device, from the vendors' data sheets (without
 # sparsity), by a part of torch.cuda.get_device_name(); `trainer.peak_flops` for any other.
-PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
-              "L40S": 362e12, "L4": 121e12, "A10": 125e12, "V100": 125e12, "T4": 65e12,
-              "MI300X": 1307e12}
+# The words of a key must all be words of the name ("L4" is not an "L40"'s).
+PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
+              "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12, "V100": 125e12,
+              "T4": 65e12, "MI300X": 1307e12}
 MB = 2**20
 
 
@@ -48,8 +50,12 @@ def peak_flops(device: torch.device, given: float | None) -> float | None:
     """The device's peak FLOP/s: `trainer.peak_flops`, else the table's (None: unknown)."""
     if given is not None or device.type != "cuda":
         return given
-    name = torch.cuda.get_device_name(device)
-    return next((peak for part, peak in PEAK_FLOPS.items() if part in name), None)
+    return peak_of(torch.cuda.get_device_name(device))
+
+
+def peak_of(name: str) -> float | None:
+    words = set(name.replace("-", " ").split())
+    return next((peak for key, peak in PEAK_FLOPS.items() if set(key.split()) <= words), None)
 
 
 def flops_per_batch(model: nn.Module, input_shape: tuple[int, ...], batch_size: int,
@@ -123,8 +129,9 @@ class Telemetry:
         self.sums, self.steps = [0.0] * len(SECTIONS), 0
         self.since, self.since_step = time.perf_counter(), 0
         self.hosts = dist.all_gather_object(socket.gethostname())
-        self.busy = [0.0] * dist.world_size()  # seconds before the collective, per rank
-        self.rows: list[dict[str, Any]] = []
+        # Seconds before the collective, per rank, over the run: from the attempts before this
+        # one too (a resumed or requeued run) when they had as many ranks.
+        self.busy = _saved_busy(run_dir, dist.world_size()) or [0.0] * dist.world_size()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -179,7 +186,7 @@ class Telemetry:
         if steps > 0 and wall > 0:
             metrics["samples_per_s"] = steps * self.global_batch / wall
             if self.flops_per_step:
-                flops = steps * self.flops_per_step / wall / len(ranks)  # per device
+                flops = steps * self.flops_per_step / wall  # (one rank's FLOPs a step)
                 metrics["tflops_per_device"] = flops / 1e12
                 if self.peak:
                     metrics["mfu"] = flops / self.peak
@@ -187,18 +194,29 @@ class Telemetry:
         if self.cuda:
             metrics["mem/cuda_max_allocated_mb"] = max(r[n + 1] for r in ranks)
             metrics["mem/cuda_max_reserved_mb"] = max(r[n + 2] for r in ranks)
-        busy = [r[0] + r[1] + r[3] + r[4] for r in ranks]  # all but the wait
+        # Before the collective: data, compute, optimizer (not the wait; not a checkpoint's
+        # stall either: rank 0 alone copies it).
+        busy = [r[0] + r[1] + r[3] for r in ranks]
         if len(ranks) > 1:
-            slow = max(range(len(ranks)), key=busy.__getitem__)
-            median = statistics.median(busy)
-            metrics["straggler/rank"] = slow
-            metrics["straggler/excess"] = busy[slow] / median - 1 if median > 0 else 0.0
+            slow, excess = _slowest(busy)
+            metrics["straggler/rank"], metrics["straggler/excess"] = slow, excess
             self.busy = [b + v * steps for b, v in zip(self.busy, busy, strict=True)]
-        if dist.is_main():
-            self.rows += [{"step": step, "rank": rank, "host": self.hosts[rank],
-                           **{name: round(r[i], 6) for i, name in enumerate(SECTIONS)}}
-                          for rank, r in enumerate(ranks)]
+        if dist.is_main():  # (appended as they come: a killed run keeps its rows)
+            self._append_rows([{"step": step, "rank": rank, "host": self.hosts[rank],
+                                **{name: round(r[i], 6) for i, name in enumerate(SECTIONS)}}
+                               for rank, r in enumerate(ranks)])
         return metrics
+
+    def _append_rows(self, rows: list[dict[str, Any]]) -> None:
+        """logs/steps.csv: each rank's parts at each logging step, over every attempt."""
+        path = self.run_dir / "logs" / "steps.csv"
+        path.parent.mkdir(exist_ok=True)
+        new = not path.is_file() or path.stat().st_size == 0
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            if new:
+                writer.writeheader()
+            writer.writerows(rows)
 
     def line(self, metrics: dict[str, float]) -> str:
         """The progress line's part: ms a step and its sections, speed, memory."""
@@ -216,28 +234,20 @@ class Telemetry:
         return ", ".join(parts)
 
     def close(self) -> None:
-        """Rank 0 writes logs/steps.csv and logs/telemetry.json (the slowest rank, named)."""
+        """Rank 0 writes logs/telemetry.json (the slowest rank, named) and draws the parts."""
         if not dist.is_main():
             return
         folder = self.run_dir / "logs"
         folder.mkdir(exist_ok=True)
-        if self.rows:
-            import csv
-
-            with open(folder / "steps.csv", "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(self.rows[0]))
-                writer.writeheader()
-                writer.writerows(self.rows)
         summary: dict[str, Any] = {"world_size": len(self.busy), "hosts": self.hosts,
                                    "flops_per_step": self.flops_per_step, "peak_flops": self.peak,
                                    "busy_s": [round(b, 3) for b in self.busy]}
-        if len(self.busy) > 1 and statistics.median(self.busy) > 0:
-            slow = max(range(len(self.busy)), key=self.busy.__getitem__)
-            excess = self.busy[slow] / statistics.median(self.busy) - 1
+        if len(self.busy) > 1 and max(self.busy) > 0:
+            slow, excess = _slowest(self.busy)
             summary["straggler"] = {"rank": slow, "host": self.hosts[slow],
                                     "excess": round(excess, 4)}
             log.info("slowest rank: %d on %s, %.1f%% more time before the gradients' all-reduce "
-                     "than the median rank (logs/steps.csv has each rank's steps)", slow,
+                     "than the other ranks' median (logs/steps.csv has each rank's steps)", slow,
                      self.hosts[slow], 100 * excess)
         (folder / "telemetry.json").write_text(json.dumps(summary, indent=2) + "\n")
         draw_breakdown(self.run_dir)
@@ -263,6 +273,23 @@ class Telemetry:
             raise
         finally:
             _private.record_memory_history(False)
+
+
+def _saved_busy(run_dir: Path, world_size: int) -> list[float] | None:
+    """The busy seconds per rank an earlier attempt of the run left, if as many ranks."""
+    try:
+        busy = json.loads((run_dir / "logs" / "telemetry.json").read_text())["busy_s"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return [float(b) for b in busy] if len(busy) == world_size else None
+
+
+def _slowest(busy: list[float]) -> tuple[int, float]:
+    """The rank most busy before the collective, and its excess over the others' median (with
+    two ranks: over the other one)."""
+    slow = max(range(len(busy)), key=busy.__getitem__)
+    others = statistics.median(b for rank, b in enumerate(busy) if rank != slow)
+    return slow, busy[slow] / others - 1 if others > 0 else 0.0
 
 
 def _peak_rss_mb() -> float:
