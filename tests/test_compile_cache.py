@@ -12,8 +12,11 @@ import os
 import re
 from types import SimpleNamespace
 
+import pytest
+
+from app.training import compile_cache as cc
 from app.training.compile_cache import FOLDER
-from conftest import assert_ok, multirun, run_app, run_job
+from conftest import assert_ok, make_config, multirun, run_app, run_job
 
 TINY_COMPILED = ["compile=true", "model=mlp", "model.hidden=[8]", "trainer.max_steps=2",
                  "trainer.progress_bar=false"]
@@ -84,3 +87,22 @@ def test_without_compile_nothing_is_created(tmp_path) -> None:
                   "trainer.progress_bar=false")
     assert not (tmp_path / "run" / FOLDER).exists()
     assert "compile cache" not in job.output and "compile:" not in job.output
+
+
+def test_the_cache_never_hides_the_run_s_error_and_puts_its_variables_back(
+        tmp_path, monkeypatch, caplog) -> None:
+    """A failure to save the cache is a warning after the run's own error, which stands (a
+    NaN stop must reach its replay); inductor's and Triton's folders are put back, so the
+    next run in this process does not write into this one's cache."""
+    def broken(*args) -> None:
+        raise RuntimeError("disk gone")
+
+    monkeypatch.setattr(cc, "_report_and_save", broken)
+    monkeypatch.delenv(cc.TRITON, raising=False)
+    monkeypatch.setenv(cc.VAR, str(tmp_path / "mine"))
+    with pytest.raises(ValueError, match="the run's own"):
+        with cc.compile_cache(make_config(*TINY_COMPILED), tmp_path / "run"):
+            os.environ[cc.TRITON] = str(tmp_path / "run" / FOLDER / "triton")  # (as inductor)
+            raise ValueError("the run's own")
+    assert "compile cache: not saved (RuntimeError: disk gone)" in caplog.text
+    assert cc.TRITON not in os.environ and os.environ[cc.VAR] == str(tmp_path / "mine")

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 FOLDER = "compile_cache"
 VAR = "TORCHINDUCTOR_CACHE_DIR"
+TRITON = "TRITON_CACHE_DIR"
 
 
 def cache_folder(run_dir: Path) -> Path:
@@ -50,8 +51,10 @@ def compile_cache(cfg: AppConfig, run_dir: Path) -> Iterator[None]:
         yield
         return
     folder = cache_folder(run_dir)
-    previous = os.environ.get(VAR)
-    os.environ[VAR] = _users_folder(previous) or str(folder / "inductor")
+    # (inductor sets Triton's folder under its own the first time it compiles for a GPU: put
+    # back as well, or the next run in this process writes into this run's cache)
+    previous = {name: os.environ.get(name) for name in (VAR, TRITON)}
+    os.environ[VAR] = _users_folder(previous[VAR]) or str(folder / "inductor")
     loaded = _load_artifacts(folder / "artifacts")
     log.info("compile cache: %s%s", os.environ[VAR],
              f" ({loaded} entries loaded from {folder / 'artifacts'})" if loaded else "")
@@ -59,19 +62,27 @@ def compile_cache(cfg: AppConfig, run_dir: Path) -> Iterator[None]:
     try:
         yield
     finally:
-        spent, after = _private.compile_stats()
-        hits, misses = (after[k] - counts[k] for k in ("hits", "misses"))
-        if hits or misses:
-            log.info("compile: %.1f s, cache hits %d, misses %d", spent - seconds, hits, misses)
-        else:  # (the jobs of a sweep run in one process: the first one's compiled code serves)
-            log.info("compile: none in this job (no step ran, or this process had compiled "
-                     "the same code already)")
-        if dist.is_main():
-            _save_artifacts(folder / "artifacts" / f"{_job_name(run_dir, folder)}.bin")
-        if previous is None:
-            os.environ.pop(VAR, None)
-        else:
-            os.environ[VAR] = previous
+        try:
+            _report_and_save(run_dir, folder, seconds, counts)
+        except Exception as e:  # (the run's own outcome, a NaN stop's too, is what it reports)
+            log.warning("compile cache: not saved (%s: %s)", type(e).__name__, e)
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _report_and_save(run_dir: Path, folder: Path, seconds: float, counts: dict) -> None:
+    spent, after = _private.compile_stats()
+    hits, misses = (after[k] - counts[k] for k in ("hits", "misses"))
+    if hits or misses:
+        log.info("compile: %.1f s, cache hits %d, misses %d", spent - seconds, hits, misses)
+    else:  # (the jobs of a sweep run in one process: the first one's compiled code serves)
+        log.info("compile: none in this job (no step ran, or this process had compiled "
+                 "the same code already)")
+    if dist.is_main():
+        _save_artifacts(folder / "artifacts" / f"{_job_name(run_dir, folder)}.bin")
 
 
 def _users_folder(value: str | None) -> str | None:
