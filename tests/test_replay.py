@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from app.errors import AppError
+from app.errors import AppError, UserError
 from conftest import HELPERS, REPO, TINY, read_metrics, run_app, run_job
 
 POISONED = 100  # the training sample carrying the fault, from the second epoch on
@@ -111,3 +111,14 @@ def test_a_run_that_did_not_stop_at_a_nonfinite_loss_is_refused(tmp_path, capsys
     (tmp_path / "result.json").write_text('{"status": "completed"}\n')
     assert main([str(tmp_path)]) == 2
     assert "did not stop at a non-finite loss" in capsys.readouterr().err
+
+
+def test_a_step_the_run_never_trains_is_refused_not_replayed_forever(tmp_path) -> None:
+    """--step past the run's last step (or at a step before the checkpoint) is one line."""
+    from app import replay as cli
+
+    run = tmp_path / "run"
+    assert run_app(run, *TINY, "trainer.max_epochs=1").returncode == 0
+    with pytest.raises(UserError, match=r"step 500 is not one the run trains after .*: it "
+                                        r"ends at step 22"):
+        cli.replay(run, step=500)

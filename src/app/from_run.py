@@ -54,7 +54,7 @@ def _checkpoint(path: Path, ckpt: str | None, run: str) -> str:
     raise UserError(f"run={run}: the run has no checkpoint (checkpoints/best.pt or last.pt)")
 
 
-def _started_in(path: Path) -> Path | None:
+def started_in(path: Path) -> Path | None:
     """The folder the run was started in, which its relative paths were read from."""
     try:
         return Path(OmegaConf.load(path / ".hydra" / "hydra.yaml").hydra.runtime.cwd)
@@ -66,7 +66,7 @@ def _run_paths(composed: DictConfig, saved: DictConfig, given: set[str], path: P
                run: str) -> str:
     """The run's relative paths that the command line does not set, made absolute from the
     folder the run was started in where they are there; what run='s line says of them."""
-    started = _started_in(path)
+    started = started_in(path)
     if started is None or started.resolve() == Path.cwd().resolve():
         return ""
     done = []

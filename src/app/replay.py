@@ -47,7 +47,7 @@ def replay(run_dir: Path, step: int | None = None) -> str:
     from omegaconf import OmegaConf
 
     from app.config import AppConfig, register_schemas, to_app_config
-    from app.from_run import _started_in
+    from app.from_run import started_in
 
     if not (run_dir / ".hydra" / "config.yaml").is_file():
         raise UserError(f"{run_dir}: not a run directory (it has no .hydra/config.yaml)")
@@ -55,7 +55,8 @@ def replay(run_dir: Path, step: int | None = None) -> str:
     register_schemas()
     cfg = to_app_config(OmegaConf.merge(OmegaConf.structured(AppConfig),
                                         OmegaConf.load(run_dir / ".hydra" / "config.yaml")))
-    if cfg.nodes > 1 or cfg.devices not in (1, "auto"):
+    if cfg.nodes > 1 or cfg.devices not in (1, "auto") or \
+            (run_dir / "logs" / "rank1.log").is_file():  # (devices=auto on several GPUs)
         raise UserError(f"{run_dir} trained on several processes (devices={cfg.devices}, "
                         f"nodes={cfg.nodes}): each replays its own batch when the run is "
                         f"resumed with trainer.replay_nonfinite=true")
@@ -66,7 +67,7 @@ def replay(run_dir: Path, step: int | None = None) -> str:
     from app.training.runtime import apply_runtime_flags
 
     run_dir = run_dir.resolve()
-    started = _started_in(run_dir)  # the run's relative paths (data.root) are from there
+    started = started_in(run_dir)  # the run's relative paths (data.root) are from there
     if started is not None and started.is_dir():
         os.chdir(started)
     kind = resolve_accelerator(cfg.accelerator, strict=False)

@@ -127,8 +127,9 @@ def _watched_step(model: nn.Module, train_step: TrainStep,
                     per_sample = F.cross_entropy(output.detach().float(), y, reduction="none")
                     bad_samples += [ids[i] for i in _bad_rows(per_sample)]
                     if hooks.found is not None and "micro_batch" not in hooks.found:
-                        hooks.found.update(micro_batch=batch,
-                                           samples=[ids[i] for i in hooks.found.pop("rows")])
+                        # (an output whose first dimension is not the batch names no sample)
+                        hooks.found.update(micro_batch=batch, samples=[
+                            ids[i] for i in hooks.found.pop("rows") if i < len(ids)])
                     try:
                         (loss / len(moved)).backward()
                     except RuntimeError as e:  # anomaly mode: a backward op returned NaN
@@ -187,9 +188,11 @@ def replay(cfg: AppConfig, run_dir: Path, device: torch.device, bad_step: int,
     way. A step before it whose update left non-finite weights ends the replay there
     (`weights_nonfinite_after`): that step is the one to watch."""
     t = cfg.trainer
-    if dist.world_size() > 1 and cfg.distributed.strategy == "fsdp":
-        raise UserError("the replay of a non-finite loss runs under distributed.strategy=ddp "
-                        "(under fsdp a rank's replay would wait for the others' collectives)")
+    if dist.world_size() > 1 and (cfg.distributed.strategy == "fsdp" or
+                                  cfg.distributed.sync_batchnorm):
+        raise UserError("the replay of a non-finite loss with several ranks runs under "
+                        "distributed.strategy=ddp without sync_batchnorm (a rank's watched "
+                        "step would wait for the others' collectives)")
     start = checkpoint_before(run_dir / "checkpoints", bad_step)
     # The checkpoint's resume, or where the run started (ckpt=: its weights loaded again).
     cfg = dataclasses.replace(cfg, resume=None if start is None else str(start))
@@ -220,6 +223,10 @@ def replay(cfg: AppConfig, run_dir: Path, device: torch.device, bad_step: int,
         raise UserError(f"the run's checkpoint {start} has steps of another size than this "
                         f"replay's: replay with the devices, batch size and accumulation "
                         f"the run had")
+    end = last_step(state, t, steps_per_epoch)
+    if (watch or bad_step) > end or (watch or bad_step) <= state.step:
+        raise UserError(f"step {watch or bad_step} is not one the run trains after "
+                        f"{start or 'its start'}: it ends at step {end}")
     log.info("replaying from %s (step %d) to step %d, rank %d", start or "the start",
              state.step, bad_step, dist.rank())
     model.train()

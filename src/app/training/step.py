@@ -185,4 +185,5 @@ class FiniteLosses:
                     f"the training loss was {value} at step {step}{where}: training stopped, "
                     f"and no checkpoint was written after it. Lower optimizer.lr, check the "
                     f"data, or set trainer.skip_nonfinite=true to skip such steps; "
-                    f"python -m app.replay RUN_DIR names the module and samples")
+                    f"python -m app.replay RUN_DIR names the module and samples (several "
+                    f"ranks: run again with trainer.replay_nonfinite=true)")
