@@ -174,7 +174,7 @@ def test_no_module_level_cycle() -> None:
 # test_no_module_level_cycle). Annotations only type checkers read are left out (they import
 # nothing at run time).
 LAYERS = [
-    {"__main__", "status", "runs", "report", "ckpt"},  # entry points
+    {"__main__", "status", "runs", "report", "ckpt", "replay"},  # entry points
     {"sweeps"},  # what a sweep leaves, its Hydra callback
     {"launch"},  # where a job runs: plan, run, spawn, worker, watchdog
     {"modes", "callbacks"},  # what a job does besides training; extensions of the loop

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from app.reporting.curves import draw_curves
-from app.reporting.results import folder_arg
+from app.reporting.results import JSON_HELP, emit, folder_arg
 from app.rundir.name import is_job_of_sweep
-from app.runs import JSON_HELP, emit
 from app.sweeps.summary import curves_note, job_summary, markdown, write_summary
 
 

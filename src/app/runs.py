@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import sys
@@ -32,35 +31,13 @@ from tqdm import tqdm
 
 from app.errors import first_line
 from app.flat import leaves
-from app.reporting.results import RESULT, folder_arg, read_metrics
+from app.reporting.results import JSON_HELP, RESULT, emit, folder_arg, read_metrics
 from app.rundir.name import is_job_of_sweep
 from app.sweeps.summary import job_summary, overrides_of
 
 # Folders that hold no run (walked past), and torch.compile's cache (many small files: one
 # line in `show`, not each of them).
 SKIP = {".code", ".submitit", "checkpoints", "logs", "plots", ".hydra", "export", "compile_cache"}
-
-
-# --json, of this command and of app.status, app.report and the dry run: one JSON document on
-# stdout, its fields documented in docs/json.md.
-JSON_HELP = "print one JSON document (its fields: docs/json.md) instead of the text"
-
-
-def plain(value: Any) -> Any:
-    """VALUE as JSON has it: paths as strings, a number that is not one (NaN, inf) as null."""
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)  # (a Path; a config value of another type, as the text shows it)
-
-
-def emit(document: Any) -> None:
-    print(json.dumps(plain(document), indent=2), flush=True)
 
 
 def describe(run: Path) -> dict[str, Any]:

@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from app import slurm
-from app.reporting.results import folder_arg
+from app.reporting.results import JSON_HELP, emit, folder_arg
 from app.rundir.lock import LOCK_NAME
-from app.runs import JSON_HELP, emit
 from app.sweeps.summary import collect, job_summary, overrides_of, said_slowest
 
 PROGRESS = re.compile(r"\] - step (\d+)/(\d+) ")  # the loop's log line: "step N/M epoch E: ..."

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,25 @@ def read_metrics(run_dir: Path) -> list[dict[str, str]]:
         return []
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+# --json, of this command and of app.status, app.report and the dry run: one JSON document on
+# stdout, its fields documented in docs/json.md.
+JSON_HELP = "print one JSON document (its fields: docs/json.md) instead of the text"
+
+
+def plain(value: Any) -> Any:
+    """VALUE as JSON has it: paths as strings, a number that is not one (NaN, inf) as null."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)  # (a Path; a config value of another type, as the text shows it)
+
+
+def emit(document: Any) -> None:
+    print(json.dumps(plain(document), indent=2), flush=True)

@@ -200,7 +200,7 @@ def report(executor: Any, params: dict[str, Any], max_num_failures: int,
     """Print it all (`as_json`: as one JSON document); the exit status (2: a problem)."""
     found = plan(executor, params, max_num_failures, overrides, run_dirs, on_slurm, batch)
     if as_json:
-        from app.runs import emit
+        from app.reporting.results import emit
 
         emit(found)
         return 2 if found["problems"] else 0
