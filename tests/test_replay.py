@@ -122,3 +122,24 @@ def test_a_step_the_run_never_trains_is_refused_not_replayed_forever(tmp_path) -
     with pytest.raises(UserError, match=r"step 500 is not one the run trains after .*: it "
                                         r"ends at step 22"):
         cli.replay(run, step=500)
+
+
+def test_a_checkpoint_with_non_finite_weights_is_passed_for_an_earlier_one(tmp_path) -> None:
+    """A step whose loss was finite can save the weights an infinite gradient made: the
+    replay starts from the newest checkpoint before the bad step whose weights are finite."""
+    import torch
+
+    run_dir = tmp_path / "run"
+    user_code = {"PYTHONPATH": str(HELPERS)}
+    assert run_app(run_dir, *RUN, env=user_code).returncode == 1
+    state = torch.load(run_dir / "checkpoints" / "step-00000022.pt", weights_only=True)
+    first = next(iter(state["model"]))
+    state["model"][first] = torch.full_like(state["model"][first], float("nan"))
+    torch.save(state, run_dir / "checkpoints" / "step-00000023.pt")
+    replayed = subprocess.run(
+        [sys.executable, "-m", "app.replay", str(run_dir)], cwd=REPO, capture_output=True,
+        text=True, timeout=120, env={**os.environ, **user_code})
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    (rank,) = _report(run_dir)["ranks"]
+    assert rank["replayed_from"].endswith("step-00000022.pt"), rank
+    assert _report(run_dir)["module"] == "features.0"

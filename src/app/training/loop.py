@@ -6,6 +6,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,36 @@ from app.training.validate import validate
 log = logging.getLogger(__name__)
 
 
-def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
-    """Train with periodic validation and checkpoints; returns the best monitored value."""
+@dataclass
+class Training:
+    """What a run trains with, built in the one order that fixes its random draws: the
+    replay of a run (app.training.replay) builds the same, so its steps are the run's."""
+
+    data: DataModule
+    model: nn.Module  # unwrapped: validation and the checkpoints use it
+    ema: ModelEMA | None
+    train_model: nn.Module  # what the step runs: compiled, DDP's wrapper, or the model
+    optimizer: torch.optim.Optimizer
+    train_loader: DataLoader
+    sampler: ResumableSampler
+    steps_per_epoch: int
+    global_batch: int
+    state: LoopState  # shared by the loop, the callbacks' `run` and the checkpoints
+    scheduler: Any
+    train_step: TrainStep
+    flops: int | None  # of one micro-batch's forward and backward (trainer.telemetry)
+
+    def parts(self, callbacks: Callbacks | None = None) -> dict[str, Any]:
+        """What a checkpoint holds, by name (loaded in this order: the random states last)."""
+        return {"model": Weights(self.model),
+                "optimizer": OptimizerState(self.model, self.optimizer),
+                "scheduler": self.scheduler, "train_step": self.train_step, "loop": self.state,
+                **({"callbacks": callbacks} if callbacks is not None else {}),
+                "data": self.data, "rng": RandomStates()}
+
+
+def build_training(cfg: AppConfig, device: torch.device) -> Training:
     t = cfg.trainer
-    metric = t.monitor.partition("/")[2]  # (a config.Monitor: checked at compose time)
     world_size, accumulate = dist.world_size(), t.accumulate_grad_batches
     seed_everything(cfg.seed)  # the same initial weights on every rank
     data = build_data(cfg)
@@ -74,22 +101,35 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
     optimizer = build_optimizer(cfg, model, global_batch=global_batch)
     torch.manual_seed(cfg.seed + dist.rank())  # dropout differs between ranks, repeatably
     train_loader, sampler = build_train_loader(data, cfg.seed)
-    val_loader = build_val_loader(data)
     steps_per_epoch = len(train_loader) // accumulate  # a partial group at the end is dropped
     if steps_per_epoch == 0:
         raise UserError(
             f"data.batch_size={data.batch_size} x trainer.accumulate_grad_batches={accumulate} "
             f"is larger than the {len(sampler)} training samples of a process: lower them")
-    # Shared by the loop, the callbacks' `run` and the checkpoints.
     state = LoopState(global_batch=global_batch, steps_per_epoch=steps_per_epoch)
-    total_steps = last_step(state, t, steps_per_epoch)
-    scheduler = build_scheduler(cfg, optimizer, total_steps=total_steps)
+    scheduler = build_scheduler(cfg, optimizer, total_steps=last_step(state, t, steps_per_epoch))
     train_step = TrainStep(model, train_model, optimizer, scheduler, device, cfg.precision,
                            t.grad_clip_norm, ema, skip_nonfinite=t.skip_nonfinite,
                            broadcast_buffers=cfg.distributed.broadcast_buffers)
+    return Training(data, model, ema, train_model, optimizer, train_loader, sampler,
+                    steps_per_epoch, global_batch, state, scheduler, train_step, flops)
+
+
+def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
+    """Train with periodic validation and checkpoints; returns the best monitored value."""
+    t = cfg.trainer
+    metric = t.monitor.partition("/")[2]  # (a config.Monitor: checked at compose time)
+    world_size, accumulate = dist.world_size(), t.accumulate_grad_batches
+    built = build_training(cfg, device)
+    data, model, ema, state = built.data, built.model, built.ema, built.state
+    optimizer, scheduler, train_step = built.optimizer, built.scheduler, built.train_step
+    train_loader, sampler = built.train_loader, built.sampler
+    steps_per_epoch, global_batch = built.steps_per_epoch, built.global_batch
+    val_loader = build_val_loader(data)
+    total_steps = last_step(state, t, steps_per_epoch)
     losses = FiniteLosses()
     telemetry = train_step.telemetry = Telemetry(
-        run_dir, device, global_batch, flops and flops * accumulate,
+        run_dir, device, global_batch, built.flops and built.flops * accumulate,
         peak_flops(device, t.peak_flops)) if t.telemetry else None
     if telemetry is not None:
         telemetry.watch_gradients(model)
@@ -99,11 +139,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
               global_batch=global_batch, total_steps=total_steps, state=state)
     progress.follow(run)  # the stall watchdog names run.step
 
-    # What a checkpoint holds, by name (loaded in this order: the random states last).
-    parts = {"model": Weights(model), "optimizer": OptimizerState(model, optimizer),
-             "scheduler": scheduler, "train_step": train_step, "loop": state,
-             "callbacks": callbacks, "data": data, "rng": RandomStates()}
-    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg, parts,
+    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg, built.parts(callbacks),
                                     changed_only_by_step=train_step.changed_only_by_step)
     train_step.before_update = checkpoints.hold_until_copied  # (the background copy first)
     checkpoints.restore()  # resume=, or the weights of ckpt=, or nothing
@@ -134,7 +170,7 @@ def train(cfg: AppConfig, run_dir: Path, device: torch.device) -> float | None:
         if telemetry is not None:
             telemetry.begin(state.step)
         while not finished(state, t):
-            micro_batches = _epoch_batches(cfg, state, data, train_loader, sampler)
+            micro_batches = epoch_batches(cfg, state, data, train_loader, sampler)
             for _ in range(steps_per_epoch - state.batch_in_epoch):
                 if telemetry is not None:
                     telemetry.mark("start")
@@ -229,7 +265,7 @@ def _wrapped_for_training(model: nn.Module, ema: ModelEMA | None, cfg: AppConfig
     return torch.compile(train_model) if cfg.compile else train_model
 
 
-def _epoch_batches(cfg: AppConfig, state: LoopState, data: DataModule, loader: DataLoader,
+def epoch_batches(cfg: AppConfig, state: LoopState, data: DataModule, loader: DataLoader,
                    sampler: ResumableSampler) -> Iterator:
     """The micro-batches of the epoch `state` is in, from where it stands in it. Each epoch's
     order comes from (seed, epoch) alone, so a resumed run sees the same batches; skipping on

@@ -33,16 +33,10 @@ from torch import nn
 from app import dist
 from app.checkpoint import io
 from app.checkpoint.manager import CheckpointManager
-from app.checkpoint.rng import RandomStates
-from app.checkpoint.sharded import OptimizerState, Weights
 from app.config import AppConfig
 from app.errors import UserError
-from app.training.build import build_data, build_optimizer, build_scheduler, build_train_loader
-from app.training.ema import ModelEMA
-from app.training.loop import _epoch_batches, _model_on, _wrapped_for_training
-from app.training.runtime import seed_everything
-from app.training.sharding import checkpoint_activations
-from app.training.state import LoopState, last_step
+from app.training.loop import build_training, epoch_batches
+from app.training.state import last_step
 from app.training.step import TrainStep
 
 log = logging.getLogger(__name__)
@@ -58,15 +52,15 @@ def stopped_at(text: str) -> int | None:
     return int(found[2]) if found else None
 
 
-def checkpoint_before(directory: Path, step: int) -> Path | None:
-    """The newest periodic checkpoint written before `step` (a file or a sharded directory),
-    or None: the replay then starts where the run started."""
+def checkpoints_before(directory: Path, step: int) -> list[Path]:
+    """The periodic checkpoints written before `step` (files or sharded directories), the
+    newest first."""
     steps = {}
     for path in directory.glob("step-*"):
         number = re.fullmatch(r"step-(\d+)(\.pt)?", path.name)
         if number and int(number[1]) < step and io.is_checkpoint(path):
             steps[int(number[1])] = path
-    return steps[max(steps)] if steps else None
+    return [steps[k] for k in sorted(steps, reverse=True)]
 
 
 class _FirstNonFinite:
@@ -193,32 +187,21 @@ def replay(cfg: AppConfig, run_dir: Path, device: torch.device, bad_step: int,
         raise UserError("the replay of a non-finite loss with several ranks runs under "
                         "distributed.strategy=ddp without sync_batchnorm (a rank's watched "
                         "step would wait for the others' collectives)")
-    start = checkpoint_before(run_dir / "checkpoints", bad_step)
-    # The checkpoint's resume, or where the run started (ckpt=: its weights loaded again).
-    cfg = dataclasses.replace(cfg, resume=None if start is None else str(start))
-    world_size, accumulate = dist.world_size(), t.accumulate_grad_batches
-    seed_everything(cfg.seed)
-    data = build_data(cfg)
-    model = _model_on(device, cfg, data)
-    global_batch = data.batch_size * world_size * accumulate
-    ema = ModelEMA(model, t.ema_decay, t.ema_warmup_steps) if t.ema else None
-    checkpoint_activations(model, t.activation_checkpointing)
-    train_model = _wrapped_for_training(model, ema, cfg, device, data)
-    optimizer = build_optimizer(cfg, model, global_batch=global_batch)
-    torch.manual_seed(cfg.seed + dist.rank())
-    train_loader, sampler = build_train_loader(data, cfg.seed)
-    steps_per_epoch = len(train_loader) // accumulate
-    state = LoopState(global_batch=global_batch, steps_per_epoch=steps_per_epoch)
-    scheduler = build_scheduler(cfg, optimizer, total_steps=last_step(state, t, steps_per_epoch))
-    train_step = TrainStep(model, train_model, optimizer, scheduler, device, cfg.precision,
-                           t.grad_clip_norm, ema,
-                           broadcast_buffers=cfg.distributed.broadcast_buffers)
-    # The loop's parts but its callbacks (none of them changes what a step computes).
-    parts = {"model": Weights(model), "optimizer": OptimizerState(model, optimizer),
-             "scheduler": scheduler, "train_step": train_step, "loop": state, "data": data,
-             "rng": RandomStates()}
-    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg, parts)
-    checkpoints.restore()
+    # The newest checkpoint before the step whose weights are finite (a step with a finite
+    # loss may have saved the weights an infinite gradient made), or where the run started
+    # (ckpt=: its weights loaded again).
+    for start in [*checkpoints_before(run_dir / "checkpoints", bad_step), None]:
+        cfg = dataclasses.replace(cfg, resume=None if start is None else str(start))
+        built = build_training(cfg, device)  # (as the run was built: its random draws too)
+        # The loop's parts but its callbacks (none of them changes what a step computes).
+        CheckpointManager(run_dir / "checkpoints", cfg, built.parts()).restore()
+        if _finite_weights(built.model):
+            break
+        log.warning("%s holds non-finite weights: replaying from an earlier checkpoint", start)
+    accumulate = t.accumulate_grad_batches
+    data, model, state, train_step = built.data, built.model, built.state, built.train_step
+    train_loader, sampler = built.train_loader, built.sampler
+    steps_per_epoch, global_batch = built.steps_per_epoch, built.global_batch
     if state.rebatch(global_batch, steps_per_epoch) is not None:
         raise UserError(f"the run's checkpoint {start} has steps of another size than this "
                         f"replay's: replay with the devices, batch size and accumulation "
@@ -233,7 +216,7 @@ def replay(cfg: AppConfig, run_dir: Path, device: torch.device, bad_step: int,
     losses: dict[int, float] = {}
     per_step = data.batch_size * accumulate
     while True:
-        micro_batches = _epoch_batches(cfg, state, data, train_loader, sampler)
+        micro_batches = epoch_batches(cfg, state, data, train_loader, sampler)
         order = list(iter(sampler))  # this rank's sample indices for the rest of the epoch
         for k in range(steps_per_epoch - state.batch_in_epoch):
             batch = [next(micro_batches) for _ in range(accumulate)]
