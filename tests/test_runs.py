@@ -142,16 +142,17 @@ def test_what_is_not_there_is_one_line_and_exit_2(capsys, argv, words) -> None:
     assert code == 2 and any(words in line for line in lines), lines
 
 
-@pytest.mark.parametrize("command", [["runs", "show"], ["status"], ["report"]])
+@pytest.mark.parametrize("command", [["runs", "show"], ["status"], ["report"], ["replay"]])
 @pytest.mark.parametrize("where,words", [("/nonexistent", "/nonexistent: no such folder"),
                                          ("/etc/hostname", "/etc/hostname: not a folder"),
                                          ("", "an empty path: give the folder")])
 def test_the_reading_commands_name_a_missing_folder_as_missing(capsys, command, where,
                                                               words) -> None:
     # (Not "neither a sweep nor a run directory", as for a folder of the wrong kind.)
-    from app import report, status
+    from app import replay, report, status
 
-    main = {"runs": runs.main, "status": status.main, "report": report.main}[command[0]]
+    main = {"runs": runs.main, "status": status.main, "report": report.main,
+            "replay": replay.main}[command[0]]
     with pytest.raises(SystemExit) as exited:
         main([*command[1:], where])
     assert exited.value.code == 2

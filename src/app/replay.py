@@ -16,6 +16,7 @@ from pathlib import Path
 
 from app.env import reproducible_matmuls
 from app.errors import AppError, UserError
+from app.reporting.results import folder_arg
 
 reproducible_matmuls()  # before torch's first matrix product: the run's own rounding
 
@@ -80,7 +81,7 @@ def replay(run_dir: Path, step: int | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path, help="the run's directory (hydra.run.dir)")
+    parser.add_argument("run_dir", type=folder_arg, help="the run's directory (hydra.run.dir)")
     parser.add_argument("--step", type=int, help="the step to replay to (default: the step "
                         "the run stopped at for a non-finite loss)")
     args = parser.parse_args(argv)
