@@ -18,6 +18,7 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import plain_loop
@@ -171,20 +172,28 @@ def callback_cost(app_overrides: list[str], rounds: int, tmp: Path
     return overrides_cost(app_overrides, noop, rounds, tmp, "callbacks")
 
 
+def _paired_rounds(app_overrides: list[str], extra: list[str], rounds: int, tmp: Path,
+                   name: str) -> Iterator[tuple[list[float], list[float]]]:
+    """Per round, the step times of the app's loop with `extra` overrides and without, run
+    in turns (who goes first alternating)."""
+    with_cfg, without_cfg = _app_config([*app_overrides, *extra]), _app_config(app_overrides)
+    for r in range(rounds):
+        dirs = [tmp / f"{name}-{r}-{which}" for which in ("with", "without")]
+        _logging_as_hydra(dirs[0])
+        dirs[1].mkdir(parents=True)
+        loops = [lambda d=dirs[0]: app_train(with_cfg, d, torch.device("cpu")),
+                 lambda d=dirs[1]: app_train(without_cfg, d, torch.device("cpu"))]
+        yield _steps_in_turns(*loops) if r % 2 == 0 else _steps_in_turns(*loops[::-1])[::-1]
+    logging.getLogger().handlers.clear()
+
+
 def window_cost(app_overrides: list[str], extra: list[str], window: range, rounds: int,
                 tmp: Path) -> dict[str, list[float]]:
     """Per round, the app's loop with `extra` (a profiler's window of steps) against without,
     in turns: the ratio of their median step inside the window (its last step aside, where
     the trace is written), outside it, and the seconds that last step adds."""
-    with_cfg, without_cfg = _app_config([*app_overrides, *extra]), _app_config(app_overrides)
     found: dict[str, list[float]] = {"inside": [], "outside": [], "last_s": []}
-    for r in range(rounds):
-        dirs = [tmp / f"window-{r}-{which}" for which in ("with", "without")]
-        _logging_as_hydra(dirs[0])
-        dirs[1].mkdir(parents=True)
-        loops = [lambda d=dirs[0]: app_train(with_cfg, d, torch.device("cpu")),
-                 lambda d=dirs[1]: app_train(without_cfg, d, torch.device("cpu"))]
-        w, wo = _steps_in_turns(*loops) if r % 2 == 0 else _steps_in_turns(*loops[::-1])[::-1]
+    for w, wo in _paired_rounds(app_overrides, extra, rounds, tmp, "window"):
         # A step's time ends at its optimizer step: what its callbacks' on_step_end does (the
         # profiler's step, its trace at the window's end) is in the next step's, index = step.
         inside = list(window)[:-1]
@@ -193,7 +202,6 @@ def window_cost(app_overrides: list[str], extra: list[str], window: range, round
             found[key].append(statistics.median(w[i] for i in steps) /
                               statistics.median(wo[i] for i in steps))
         found["last_s"].append(w[window[-1]] - wo[window[-1]])
-    logging.getLogger().handlers.clear()
     return found
 
 
@@ -201,22 +209,9 @@ def overrides_cost(app_overrides: list[str], extra: list[str], rounds: int, tmp:
                    name: str) -> tuple[list[float], list[float]]:
     """Per round, the median seconds per step of the app's loop with `extra` overrides and
     without, run in turns."""
-    with_cfg, without_cfg = _app_config([*app_overrides, *extra]), _app_config(app_overrides)
-    withs, withouts = [], []
-    for r in range(rounds):
-        dirs = [tmp / f"{name}-{r}-{which}" for which in ("with", "without")]
-        _logging_as_hydra(dirs[0])
-        dirs[1].mkdir(parents=True)
-        loops = [lambda d=dirs[0]: app_train(with_cfg, d, torch.device("cpu")),
-                 lambda d=dirs[1]: app_train(without_cfg, d, torch.device("cpu"))]
-        if r % 2 == 0:
-            w, wo = _in_turns(*loops)
-        else:
-            wo, w = _in_turns(*reversed(loops))
-        withs.append(w)
-        withouts.append(wo)
-    logging.getLogger().handlers.clear()
-    return withs, withouts
+    pairs = list(_paired_rounds(app_overrides, extra, rounds, tmp, name))
+    return ([statistics.median(w[WARMUP:]) for w, _ in pairs],
+            [statistics.median(wo[WARMUP:]) for _, wo in pairs])
 
 
 def dispatch_seconds(calls: int = 200_000) -> float:
